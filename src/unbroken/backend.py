@@ -1,0 +1,20 @@
+"""Backends set up what a framework needs in each worker before the training loop runs
+(for torch: the process group) and tear it down after."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from unbroken.session import Session
+
+Rendezvous = Callable[[Any], Any]
+
+
+class Backend:
+    """No framework set-up (DataParallelTrainer without a backend_config)."""
+
+    def on_start(self, session: Session, rendezvous: Rendezvous) -> None:
+        """Runs in each worker before the loop. `rendezvous(value)` returns rank 0's value on every rank."""
+
+    def on_shutdown(self, session: Session) -> None:
+        """Runs in each worker after the loop, also after a failure."""

@@ -1,0 +1,103 @@
+"""The checkpoint manager: which committed checkpoints a run has, which one to resume
+from, and which ones retention deletes. The commit protocol itself is in `commit`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from unbroken import commit
+from unbroken.commit import FileEntry, Marker
+from unbroken.config import CheckpointConfig
+from unbroken.errors import TornCheckpointError
+from unbroken.storage import Storage
+
+log = logging.getLogger("unbroken")
+
+
+class CheckpointManager:
+    """Bookkeeping for one run directory's checkpoints (driver side)."""
+
+    def __init__(self, storage: Storage, config: CheckpointConfig) -> None:
+        self.storage = storage
+        self.config = config
+        self.committed: list[Marker] = []
+
+    def recover(self, full_verify: bool | None = None) -> Marker | None:
+        """Find the newest checkpoint that verifies and return its marker.
+
+        Torn or corrupted newer checkpoints are set aside (renamed `*.corrupt-N`, never
+        deleted) with a warning naming them; uncommitted leftovers are removed.
+        """
+        names, leftovers = commit.scan(self.storage)
+        for name in leftovers:
+            self.storage.remove(name)
+        self.committed = []
+        latest: Marker | None = None
+        for name in reversed(names):
+            if latest is None:
+                try:
+                    latest = commit.verify(self.storage, name, full_verify)
+                except TornCheckpointError as e:
+                    self._quarantine(name, e)
+                    continue
+                self.committed.append(latest)
+            else:
+                try:
+                    self.committed.append(commit.read_marker(self.storage, name))
+                except TornCheckpointError as e:
+                    self._quarantine(name, e)
+        self.committed.reverse()
+        return latest
+
+    def _quarantine(self, name: str, reason: Exception) -> None:
+        n = 0
+        while self.storage.exists(f"{name}.corrupt-{n}"):
+            n += 1
+        aside = f"{name}.corrupt-{n}"
+        # An unmarked directory on an object store is an upload that never committed.
+        if self.storage.is_local or self.storage.exists(f"{name}/{commit.MARKER}"):
+            log.warning("checkpoint %s is torn or corrupted (%s); skipping it and resuming from the "
+                        "previous one. It is kept as %s", self.storage.url(name), reason, aside)
+            self.storage.rename(name, aside)
+        else:
+            log.warning("removing uncommitted checkpoint directory %s (%s)", self.storage.url(name), reason)
+            self.storage.remove(name)
+
+    @property
+    def latest(self) -> Marker | None:
+        return self.committed[-1] if self.committed else None
+
+    def commit(self, iteration: int, attempt: int, per_rank_files: list[list[FileEntry]],
+               metrics: dict[str, Any]) -> Marker:
+        """Commit the checkpoint the ranks staged for `iteration`, then apply retention."""
+        marker = Marker(name=commit.checkpoint_name(iteration), iteration=iteration, attempt=attempt,
+                        files=commit.merge_rank_files(per_rank_files), metrics=metrics,
+                        committed_at=time.time())
+        commit.commit(self.storage, commit.staging_name(iteration, attempt, self.storage), marker)
+        self.committed.append(marker)
+        self._retain()
+        return marker
+
+    def _score(self, marker: Marker) -> float | None:
+        attr = self.config.checkpoint_score_attribute
+        value = marker.metrics.get(attr) if attr else None
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def best(self) -> list[Marker]:
+        """Committed checkpoints, best first by the score attribute (newest first without one)."""
+        if not self.config.checkpoint_score_attribute:
+            return list(reversed(self.committed))
+        sign = 1 if self.config.checkpoint_score_order == "max" else -1
+        scored = [m for m in self.committed if self._score(m) is not None]
+        return sorted(scored, key=lambda m: (sign * self._score(m), m.iteration), reverse=True)
+
+    def _retain(self) -> None:
+        keep_n = self.config.num_to_keep
+        if keep_n is None or len(self.committed) <= keep_n:
+            return
+        keep = {m.name for m in self.best()[:keep_n]} | {self.committed[-1].name}
+        for marker in [m for m in self.committed if m.name not in keep]:
+            commit.uncommit_and_delete(self.storage, marker.name)
+            self.committed.remove(marker)

@@ -1,0 +1,178 @@
+"""The checkpoint commit protocol. A checkpoint exists only once its marker is committed.
+
+Local filesystems: every rank writes (and fsyncs) its files into a staging directory
+`checkpoint_NNNNNN.tmp-<attempt>/`; the driver writes the marker `.checkpoint.json`
+there, fsyncs it, renames the directory into place and fsyncs the parent.
+Object stores: files are uploaded into `checkpoint_NNNNNN/` and the marker goes last.
+
+Anything without a verifying marker is not a checkpoint: restore skips it and cleans it up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from unbroken import faults
+from unbroken.errors import TornCheckpointError
+from unbroken.storage import Storage
+
+MARKER = ".checkpoint.json"
+MARKER_VERSION = 1
+_NAME = re.compile(r"^checkpoint_(\d{6,})$")
+_LEFTOVER = re.compile(r"^checkpoint_(\d{6,})\.(tmp|del)-[\w-]+$")
+# Below this many bytes a checkpoint's hashes are checked on every restore.
+FULL_VERIFY_BYTES = 64 << 20
+
+
+@dataclass
+class FileEntry:
+    """One file of a checkpoint, as the rank that wrote it saw it."""
+
+    path: str
+    size: int
+    crc32: int
+    rank: int = 0
+
+
+@dataclass
+class Marker:
+    """The commit marker: what a committed checkpoint contains and where it came from."""
+
+    name: str
+    iteration: int
+    attempt: int
+    files: list[FileEntry]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    committed_at: float = 0.0
+    version: int = MARKER_VERSION
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, default=repr).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Marker":
+        raw = json.loads(data)
+        raw["files"] = [FileEntry(**f) for f in raw["files"]]
+        return cls(**raw)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"checkpoint_{iteration:06d}"
+
+
+def iteration_of(name: str) -> int | None:
+    """The iteration a committed checkpoint's directory name carries, or None if it is not one."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def staging_name(iteration: int, attempt: int, storage: Storage) -> str:
+    """Where ranks write a checkpoint's files before it commits."""
+    name = checkpoint_name(iteration)
+    return f"{name}.tmp-{attempt}" if storage.is_local else name
+
+
+def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) -> list[FileEntry]:
+    """Copy one rank's checkpoint directory into the staging area (worker side)."""
+    entries = []
+    for dirpath, _, filenames in os.walk(local_dir):
+        for fn in sorted(filenames):
+            src = os.path.join(dirpath, fn)
+            rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
+            if rel == MARKER:
+                continue
+            size, crc = storage.put_file(src, f"{staging}/{rel}")
+            entries.append(FileEntry(rel, size, crc, rank))
+            faults.point("after_file_write")
+    if storage.is_local:
+        storage.makedirs(staging)
+        storage.fsync_dir(staging)
+        faults.point("after_fsync")
+    return entries
+
+
+def merge_rank_files(per_rank: list[list[FileEntry]]) -> list[FileEntry]:
+    """Merge every rank's file list; the same path from two ranks must have the same bytes."""
+    merged: dict[str, FileEntry] = {}
+    for entries in per_rank:
+        for e in entries:
+            seen = merged.get(e.path)
+            if seen is not None and (seen.size, seen.crc32) != (e.size, e.crc32):
+                raise ValueError(
+                    f"ranks {seen.rank} and {e.rank} both wrote checkpoint file {e.path!r} with "
+                    "different contents. Hint: give each rank's files distinct names, "
+                    "e.g. f'shard_{train.get_context().get_world_rank()}.pt'")
+            merged.setdefault(e.path, e)
+    return sorted(merged.values(), key=lambda e: e.path)
+
+
+def commit(storage: Storage, staging: str, marker: Marker) -> None:
+    """Write the marker last and move the checkpoint into place (driver side)."""
+    storage.makedirs(staging)
+    faults.point("before_marker")
+    storage.write_atomic(f"{staging}/{MARKER}", marker.to_bytes())
+    faults.point("after_marker")
+    if staging != marker.name:
+        storage.rename(staging, marker.name)
+        faults.point("after_rename")
+
+
+def read_marker(storage: Storage, name: str) -> Marker:
+    try:
+        return Marker.from_bytes(storage.read_bytes(f"{name}/{MARKER}"))
+    except FileNotFoundError:
+        raise TornCheckpointError(f"{name}: no commit marker") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise TornCheckpointError(f"{name}: unreadable commit marker ({e})") from None
+
+
+def verify(storage: Storage, name: str, full: bool | None = None) -> Marker:
+    """Check a checkpoint against its marker: sizes always, hashes when `full` (default: when small)."""
+    marker = read_marker(storage, name)
+    if full is None:
+        full = marker.total_bytes <= FULL_VERIFY_BYTES
+    for f in marker.files:
+        rel = f"{name}/{f.path}"
+        try:
+            size = storage.size(rel)
+        except FileNotFoundError:
+            raise TornCheckpointError(f"{name}: file {f.path!r} is missing") from None
+        if size != f.size:
+            raise TornCheckpointError(f"{name}: file {f.path!r} has {size} bytes, marker says {f.size}")
+        if full and storage.crc32(rel) != f.crc32:
+            raise TornCheckpointError(f"{name}: file {f.path!r} does not match its hash (corrupted)")
+    return marker
+
+
+def uncommit_and_delete(storage: Storage, name: str) -> None:
+    """Delete a checkpoint, marker first, so a crash midway leaves only an uncommitted leftover."""
+    faults.point("before_delete")
+    if storage.is_local:
+        doomed = f"{name}.del-{os.getpid()}"
+        storage.rename(name, doomed)
+        faults.point("during_delete")
+        storage.remove(doomed)
+    else:
+        storage.remove(f"{name}/{MARKER}")
+        faults.point("during_delete")
+        storage.remove(name)
+
+
+def scan(storage: Storage) -> tuple[list[str], list[str]]:
+    """(checkpoint directory names, oldest first; uncommitted leftovers) in a run directory."""
+    names, leftovers = [], []
+    for entry in storage.listdir():
+        if _NAME.match(entry):
+            names.append(entry)
+        elif _LEFTOVER.match(entry):
+            leftovers.append(entry)
+    names.sort(key=lambda n: iteration_of(n) or 0)
+    return names, leftovers

@@ -1,0 +1,84 @@
+"""Plain dataclass configurations, shared by the driver and the workers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+ENGINES = ("auto", "local", "ray")
+
+
+@dataclass
+class ScalingConfig:
+    """How many workers run the training loop, and where."""
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+    engine: Literal["auto", "local", "ray"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"ScalingConfig.num_workers must be an int >= 1, got {self.num_workers!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"ScalingConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+
+    def cpus_per_worker(self) -> int:
+        """Intra-op threads each worker gets: its CPU resources, or an even share of this machine."""
+        cpus = (self.resources_per_worker or {}).get("CPU")
+        if cpus:
+            return max(1, int(cpus))
+        return max(1, (os.cpu_count() or 1) // self.num_workers)
+
+
+@dataclass
+class FailureConfig:
+    """How many times the worker group restarts after a failure within one fit() (-1: unlimited)."""
+
+    max_failures: int = 0
+    fail_fast: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    """Which committed checkpoints to keep."""
+
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: Literal["max", "min"] = "max"
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None and self.num_to_keep < 1:
+            raise ValueError("CheckpointConfig.num_to_keep must be None or >= 1")
+        if self.checkpoint_score_order not in ("max", "min"):
+            raise ValueError("CheckpointConfig.checkpoint_score_order must be 'max' or 'min'")
+
+
+@dataclass
+class RunConfig:
+    """Where a run lives and how it behaves. `name` and `storage_path` identify the run."""
+
+    name: str | None = None
+    storage_path: str | None = None
+    storage_filesystem: Any = None
+    failure_config: FailureConfig | None = None
+    checkpoint_config: CheckpointConfig | None = None
+    stop: dict[str, float] | Callable[[dict], bool] | None = None
+    callbacks: list[Any] | None = None
+    verbose: int = 1
+    resume: Literal["auto", "never", "must"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.resume not in ("auto", "never", "must"):
+            raise ValueError(f"RunConfig.resume must be 'auto', 'never' or 'must', got {self.resume!r}")
+        if self.failure_config is None:
+            self.failure_config = FailureConfig()
+        if self.checkpoint_config is None:
+            self.checkpoint_config = CheckpointConfig()
+
+    def resolved_storage_path(self) -> str:
+        """The storage root: the given path, else $UNBROKEN_STORAGE, else ~/unbroken_results."""
+        if self.storage_path:
+            return str(self.storage_path)
+        return os.environ.get("UNBROKEN_STORAGE") or os.path.expanduser("~/unbroken_results")

@@ -1,0 +1,182 @@
+"""The controller: drives one run through its attempts.
+
+It starts a worker group, turns each round of reports into one metric row (and, when
+ranks attached files, one committed checkpoint), and on a worker failure asks the
+failure policy whether to restart the group from the latest committed checkpoint.
+The worker group is the engine's business; storage is the Run's.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import cloudpickle
+
+from unbroken import manifest as mf
+from unbroken.checkpoint import Checkpoint
+from unbroken.commit import Marker, checkpoint_name
+from unbroken.config import RunConfig, ScalingConfig
+from unbroken.engine import make_worker_group
+from unbroken.engine.local import WorkerDied
+from unbroken.engine.worker import WorkerPayload
+from unbroken.errors import ReportMismatchError, TrainingFailedError, WorkerError
+from unbroken.failure_policy import FailureDecision, FailurePolicy
+from unbroken.run import Run
+from unbroken.session import WorkerInfo
+
+log = logging.getLogger("unbroken")
+
+POLL_S = 1.0
+
+
+class ControllerState(enum.Enum):
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    FINISHED = "FINISHED"
+    ERRORED = "ERRORED"
+
+
+class Controller:
+    """Runs `trainer.training_loop()` on a worker group until the run finishes or gives up."""
+
+    def __init__(self, trainer: Any, run: Run, restore_hint: str) -> None:
+        self.trainer = trainer
+        self.run = run
+        self.scaling: ScalingConfig = trainer.scaling_config
+        self.run_config: RunConfig = trainer.run_config
+        self.restore_hint = restore_hint
+        self.state = ControllerState.STARTING
+        self.policy = FailurePolicy(self.run_config.failure_config)
+
+    def execute(self) -> None:
+        """Run attempts until one finishes; raise TrainingFailedError when the policy gives up."""
+        while True:
+            self.state = ControllerState.STARTING
+            resume = self.run.begin_attempt(self.scaling.num_workers)
+            attempt = self.run.attempt.number
+            if resume is not None:
+                log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
+            group = make_worker_group(self.scaling)
+            try:
+                group.start(lambda rank, local_rank, node: self._payload(resume, rank, local_rank, node))
+                self.state = ControllerState.RUNNING
+                self._drive(group)
+            except BaseException as error:
+                group.shutdown(kill=True)
+                self.run.end_attempt(mf.ERRORED, error)
+                if not isinstance(error, Exception) or self.policy.decide(error) is FailureDecision.RAISE:
+                    self.state = ControllerState.ERRORED
+                    self.run.finish(mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
+                    if not isinstance(error, Exception):
+                        raise
+                    raise TrainingFailedError(
+                        f"training failed in attempt {attempt} of run {self.run.path!r}: "
+                        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
+                        f"The run and its checkpoints are kept. After fixing the cause, continue it with "
+                        f"{self.restore_hint}") from error
+                self.state = ControllerState.RESTARTING
+                log.warning("run %s: attempt %d failed (%s: %s); restarting the workers from the "
+                            "latest committed checkpoint (failure %d of %s)", self.run.path, attempt,
+                            type(error).__name__, str(error).splitlines()[0] if str(error) else "",
+                            self.policy.failures, self.run_config.failure_config.max_failures)
+                continue
+            group.shutdown()
+            self.run.end_attempt(mf.FINISHED)
+            self.run.finish(mf.FINISHED)
+            self.state = ControllerState.FINISHED
+            return
+
+    def _payload(self, resume: Marker | None, rank: int, local_rank: int, node_rank: int) -> WorkerPayload:
+        run, scaling = self.run, self.scaling
+        checkpoint = None
+        if resume is not None:
+            checkpoint = Checkpoint(run.storage.url(resume.name),
+                                    None if run.storage.is_local else run.storage.fs)
+        elif self.trainer.resume_from_checkpoint is not None:
+            checkpoint = self.trainer.resume_from_checkpoint
+        info = WorkerInfo(
+            world_rank=rank, world_size=scaling.num_workers, local_rank=local_rank,
+            local_world_size=scaling.num_workers, node_rank=node_rank,
+            experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
+            attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
+            checkpoint=checkpoint, storage_path=run.storage.url().rsplit("/", 1)[0],
+            cpus=scaling.cpus_per_worker(), use_gpu=scaling.use_gpu)
+        return WorkerPayload(info=info, trainer=self.trainer)
+
+    def _drive(self, group: Any) -> None:
+        """Process worker messages until every worker is done; raise on any failure."""
+        n = self.scaling.num_workers
+        pending: dict[int, dict[int, tuple[dict, list | None]]] = {}
+        reported = [0] * n
+        done: dict[int, int] = {}
+        while len(done) < n:
+            self.run.lease.beat()
+            try:
+                messages = group.poll(POLL_S)
+            except WorkerDied as e:
+                raise WorkerError(str(e), rank=e.rank) from None
+            for rank, message in messages:
+                kind = message[0]
+                if kind == "report":
+                    _, iteration, metrics, files = message
+                    reported[rank] += 1
+                    round_ = pending.setdefault(iteration, {})
+                    round_[rank] = (metrics, files)
+                    if len(round_) == n:
+                        self._complete_round(group, iteration, pending.pop(iteration))
+                elif kind == "rendezvous":
+                    for other in range(1, n):
+                        group.send(other, message)
+                elif kind == "done":
+                    done[rank] = message[1]
+                    group.mark_finished(rank)
+                elif kind == "error":
+                    _, text, blob = message
+                    raise _worker_exception(rank, text, blob)
+            if done and (max(reported) > min(done.values()) or
+                         (len(done) == n and len(set(done.values())) > 1)):
+                counts = ", ".join(f"rank {r}: {c}" for r, c in enumerate(reported))
+                raise ReportMismatchError(
+                    f"train.report was called a different number of times on different ranks "
+                    f"({counts}). train.report is collective. Hint: call it on every rank the same "
+                    "number of times, and attach the checkpoint only where needed")
+
+    def _complete_round(self, group: Any, iteration: int, by_rank: dict[int, tuple]) -> None:
+        metrics = by_rank[0][0]
+        files = [by_rank[r][1] for r in sorted(by_rank) if by_rank[r][1] is not None]
+        row = self.run.record(iteration, metrics, checkpoint_name(iteration) if files else None)
+        if files:
+            self.run.commit_checkpoint(iteration, files, row)
+        stop = _stop_met(self.run_config.stop, row)
+        reply = ("reply", {"stop": stop, "checkpoint": False})
+        for rank in sorted(by_rank):
+            group.send(rank, reply)
+        if self.run_config.verbose >= 2:
+            log.info("run %s: %s", self.run.manifest.name,
+                     {k: v for k, v in row.items() if k not in ("timestamp",)})
+
+
+def _stop_met(stop: Any, row: dict) -> bool:
+    if not stop:
+        return False
+    if callable(stop):
+        return bool(stop(row))
+    return any(key in row and row[key] >= threshold for key, threshold in stop.items())
+
+
+def _worker_exception(rank: int, text: str, blob: bytes | None) -> BaseException:
+    """The worker's own exception when it unpickles here (with the remote traceback attached)."""
+    error: BaseException | None = None
+    if blob is not None:
+        try:
+            error = cloudpickle.loads(blob)
+        except Exception:
+            error = None
+    remote = WorkerError(f"worker rank {rank} raised", rank=rank, traceback_text=text)
+    if error is None or not isinstance(error, Exception):
+        return remote
+    error.__cause__ = remote
+    return error

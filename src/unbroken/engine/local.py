@@ -1,0 +1,142 @@
+"""The local engine: `num_workers` worker processes on this machine, one pipe each.
+
+Workers are forked from the driver when that is safe, so they start with everything
+the driver imported (torch included) in milliseconds. Forking is unsafe once the
+driver has started threads (an OpenMP pool left by a torch op hangs a forked child),
+so then workers come from a forkserver that preloads torch once per driver process.
+A dead worker is noticed at once: its process sentinel is in the same wait as the pipes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+from unbroken.engine.worker import Pickled, WorkerPayload, worker_main
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+_clean_threads = _thread_count()
+
+
+def mark_clean() -> None:
+    """Record that the process is still fork-safe now (called right after `import torch`)."""
+    global _clean_threads
+    _clean_threads = max(_clean_threads, _thread_count())
+
+
+def start_method() -> str:
+    """'fork' while the driver has no threads beyond those it had when unbroken was imported."""
+    chosen = os.environ.get("UNBROKEN_START_METHOD")
+    if chosen:
+        return chosen
+    if sys.platform != "linux" or _thread_count() > _clean_threads:
+        return "forkserver"
+    return "fork"
+
+
+def _context(method: str) -> Any:
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([m for m in ("torch", "unbroken.engine.worker") if m in sys.modules
+                                    or m == "unbroken.engine.worker"])
+    return ctx
+
+
+class WorkerDied(Exception):
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        if exitcode is not None and exitcode < 0:
+            how = f"was killed by {signal.Signals(-exitcode).name}"
+        else:
+            how = f"exited with code {exitcode} without reporting an error"
+        super().__init__(f"worker rank {rank} (of the local engine) {how}")
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class LocalWorkerGroup:
+    """Worker processes on this machine, addressed by rank."""
+
+    node_count = 1
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self._eof: set[int] = set()
+        self._finished: set[int] = set()
+
+    def start(self, make_payload: Callable[[int, int, int], WorkerPayload]) -> None:
+        """Start every worker; `make_payload(rank, local_rank, node_rank)` says what it runs."""
+        ctx = _context(start_method())
+        for rank in range(self.num_workers):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=worker_main, name=f"unbroken-worker-{rank}",
+                               args=(Pickled(make_payload(rank, rank, 0)), child_end, os.getpid()))
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+
+    def send(self, rank: int, message: Any) -> None:
+        try:
+            self.conns[rank].send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # its death is reported by poll()
+
+    def poll(self, timeout: float) -> list[tuple[int, Any]]:
+        """Messages that arrived within `timeout`, as (rank, message).
+
+        Raises WorkerDied for a worker that exited without saying it was done; messages a
+        worker sent before dying (its error report) are returned first.
+        """
+        conns = [c for r, c in enumerate(self.conns) if r not in self._eof]
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs) if r not in self._finished}
+        ready = mp.connection.wait(conns + list(sentinels), timeout)
+        out = []
+        for rank, conn in enumerate(self.conns):
+            if rank in self._eof or conn not in ready:
+                continue
+            try:
+                while conn.poll():
+                    out.append((rank, conn.recv()))
+            except (EOFError, OSError):
+                self._eof.add(rank)
+        if out:
+            return out
+        for s in ready:
+            if s in sentinels:
+                proc = self.procs[sentinels[s]]
+                proc.join()
+                raise WorkerDied(sentinels[s], proc.exitcode)
+        return out
+
+    def mark_finished(self, rank: int) -> None:
+        """A worker said it is done: its exit is expected from now on."""
+        self._finished.add(rank)
+
+    def shutdown(self, kill: bool = False) -> None:
+        """Wait for the workers to exit (or SIGKILL them) and close the pipes."""
+        for proc in self.procs:
+            if kill and proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5 if not kill else None)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []

@@ -1,0 +1,64 @@
+"""Exception types. Each names the problem and carries a hint on how to fix it."""
+
+from __future__ import annotations
+
+
+class UnbrokenError(Exception):
+    """Base class for errors raised by unbroken."""
+
+
+class TrainingFailedError(UnbrokenError, RuntimeError):
+    """fit() could not finish; the run is kept on storage and can be restored."""
+
+
+class WorkerError(UnbrokenError, RuntimeError):
+    """A worker process raised or died. Carries the remote traceback as text."""
+
+    def __init__(self, message: str, rank: int | None = None, traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.traceback_text = traceback_text
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}\n{self.traceback_text}" if self.traceback_text else base
+
+
+class RunNotFoundError(UnbrokenError, FileNotFoundError):
+    """There is no run at the given path."""
+
+
+class RunExistsError(UnbrokenError, FileExistsError):
+    """A run exists where a new one was asked for (resume="never")."""
+
+
+class CorruptRunError(UnbrokenError, ValueError):
+    """The run's manifest is unreadable and no valid generation remains."""
+
+
+class SchemaVersionError(UnbrokenError, ValueError):
+    """The run was written by a newer version of unbroken."""
+
+
+class IdentityMismatchError(UnbrokenError, ValueError):
+    """The run's identity (trainer class, train_loop_config, dataset names) differs from the saved run."""
+
+
+class TrainerClassMismatchError(UnbrokenError, TypeError):
+    """restore() was called on a class unrelated to the one that saved the run."""
+
+
+class LeaseHeldError(UnbrokenError, RuntimeError):
+    """Another live driver holds the run."""
+
+
+class StorageError(UnbrokenError, OSError):
+    """Storage is missing a filesystem package or cannot be written."""
+
+
+class TornCheckpointError(UnbrokenError, ValueError):
+    """A checkpoint's files do not match its commit marker."""
+
+
+class ReportMismatchError(UnbrokenError, RuntimeError):
+    """train.report was called a different number of times on different ranks."""

@@ -1,0 +1,34 @@
+"""Failure handling as a small policy: given a failure, retry the worker group or raise."""
+
+from __future__ import annotations
+
+import enum
+
+from unbroken.config import FailureConfig
+from unbroken.errors import ReportMismatchError
+
+
+class FailureDecision(enum.Enum):
+    RETRY = "retry"
+    RAISE = "raise"
+
+
+# Failures that a restart would only repeat.
+_NOT_RETRYABLE = (ReportMismatchError,)
+
+
+class FailurePolicy:
+    """Counts failures within one fit() against FailureConfig.max_failures (-1: unlimited)."""
+
+    def __init__(self, config: FailureConfig) -> None:
+        self.config = config
+        self.failures = 0
+
+    def decide(self, error: BaseException) -> FailureDecision:
+        self.failures += 1
+        if isinstance(error, _NOT_RETRYABLE) or self.config.fail_fast:
+            return FailureDecision.RAISE
+        limit = self.config.max_failures
+        if limit < 0 or self.failures <= limit:
+            return FailureDecision.RETRY
+        return FailureDecision.RAISE

@@ -1,0 +1,138 @@
+"""The run manifest, `.unbroken/run.json`: what the run is and where it stands.
+
+It is replaced atomically and carries a generation number; the previous generation is
+kept in `run.prev.json` and used, with a warning, when the newest one does not load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from unbroken import __version__
+from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
+from unbroken.storage import Storage
+
+log = logging.getLogger("unbroken")
+
+SCHEMA_VERSION = 1
+META_DIR = ".unbroken"
+RUN_JSON = f"{META_DIR}/run.json"
+RUN_PREV_JSON = f"{META_DIR}/run.prev.json"
+
+RUNNING, FINISHED, ERRORED, INTERRUPTED = "RUNNING", "FINISHED", "ERRORED", "INTERRUPTED"
+
+
+@dataclass
+class Attempt:
+    """One try at the run: a fit() start or a worker-group restart."""
+
+    number: int
+    started_at: float
+    resumed_from: str | None = None
+    resumed_iteration: int = 0
+    num_workers: int = 1
+    ended_at: float | None = None
+    status: str = RUNNING
+    error: str | None = None
+
+
+@dataclass
+class RunManifest:
+    """Contents of run.json. Field names are the on-disk format; see docs/storage-format.md."""
+
+    name: str
+    trainer_class: str
+    trainer_mro: list[str]
+    params: dict[str, Any] = field(default_factory=dict)
+    pickled_params: list[str] = field(default_factory=list)
+    must_respecify: list[str] = field(default_factory=list)
+    dataset_names: list[str] = field(default_factory=list)
+    identity: dict[str, Any] = field(default_factory=dict)
+    identity_fingerprint: str = ""
+    code_fingerprints: dict[str, str] = field(default_factory=dict)
+    status: str = RUNNING
+    attempts: list[Attempt] = field(default_factory=list)
+    latest_checkpoint: str | None = None
+    best_checkpoints: list[str] = field(default_factory=list)
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = 0.0
+    generation: int = 0
+    schema_version: int = SCHEMA_VERSION
+    package_version: str = __version__
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True, default=repr).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "RunManifest":
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        version = raw.get("schema_version")
+        if isinstance(version, int) and version > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{where} was written with storage schema {version} (unbroken "
+                f"{raw.get('package_version', '?')}); this unbroken {__version__} reads up to "
+                f"schema {SCHEMA_VERSION}. Hint: upgrade unbroken (pip install -U unbroken)")
+        known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in raw.items() if k in known}
+        raw["attempts"] = [Attempt(**a) for a in raw.get("attempts", [])]
+        return cls(**raw)
+
+    @property
+    def attempt_count(self) -> int:
+        return len(self.attempts)
+
+
+def is_run_dir(storage: Storage) -> bool:
+    return storage.exists(RUN_JSON) or storage.exists(RUN_PREV_JSON)
+
+
+def load(storage: Storage) -> RunManifest:
+    """Load the newest valid generation; raise a specific error if none is valid."""
+    where = storage.url()
+    if not storage.exists():
+        raise RunNotFoundError(f"no run at {where!r}: the path does not exist. "
+                               "Hint: check the path, or list runs with `unbroken ls STORAGE`")
+    if not storage.isdir():
+        raise RunNotFoundError(f"{where!r} is a file, not a run directory. "
+                               "Hint: pass the run's directory, <storage_path>/<name>")
+    problems = []
+    for rel in (RUN_JSON, RUN_PREV_JSON):
+        try:
+            manifest = RunManifest.from_bytes(storage.read_bytes(rel), where)
+        except FileNotFoundError:
+            problems.append(f"{rel} is missing")
+            continue
+        except SchemaVersionError:
+            raise
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+            problems.append(f"{rel} is corrupted ({type(e).__name__}: {e})")
+            continue
+        if problems:
+            log.warning("run %s: %s; using the previous generation (%d) from %s",
+                        where, "; ".join(problems), manifest.generation, rel)
+        return manifest
+    if all(p.endswith("is missing") for p in problems):
+        raise RunNotFoundError(
+            f"no run at {where!r}: it has no {RUN_JSON}. Hint: pass a run directory "
+            "(<storage_path>/<name>), or start a new run there with fit()")
+    raise CorruptRunError(f"run {where!r} cannot be read: {'; '.join(problems)}. Hint: restore "
+                          "run.json from a backup; checkpoints in the directory are untouched")
+
+
+def save(storage: Storage, manifest: RunManifest, previous: bytes | None) -> bytes:
+    """Write a new generation; `previous` (the bytes last written) becomes the fallback."""
+    manifest.generation += 1
+    manifest.updated_at = time.time()
+    data = manifest.to_bytes()
+    if previous is not None:
+        storage.write_atomic(RUN_PREV_JSON, previous)
+    storage.write_atomic(RUN_JSON, data)
+    return data

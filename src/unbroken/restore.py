@@ -1,0 +1,424 @@
+"""The restore rules: how a trainer's constructor arguments are saved, what a run's
+identity is, and how a trainer is rebuilt from a run directory.
+
+Arguments that are plain data go into run.json as JSON. Functions importable by module
+path are saved by reference. Everything else is cloudpickled *one argument at a time*
+into trainer.pkl, so an argument that no longer loads is named, and re-specifying it
+means the stored copy is never unpickled. Datasets are never pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import json
+import pickle
+from typing import Any
+
+import logging
+import posixpath
+import time
+from dataclasses import dataclass
+
+import cloudpickle
+
+from unbroken.errors import (IdentityMismatchError, RunExistsError, RunNotFoundError,
+                             TrainerClassMismatchError)
+from unbroken.lease import Lease
+from unbroken.manifest import FINISHED, META_DIR, RunManifest
+from unbroken.manifest import is_run_dir as manifest_exists
+from unbroken.manifest import load as load_manifest
+from unbroken.storage import Storage
+
+log = logging.getLogger("unbroken")
+
+TRAINER_PKL = f"{META_DIR}/trainer.pkl"
+PARAMS_JSON = "params.json"
+DATASETS = "datasets"
+# Arguments that may change between attempts; every other plain argument is the run's identity.
+MUTABLE = frozenset({"scaling_config", "run_config", "backend_config", "resume_from_checkpoint",
+                     "torch_config"})
+_CLASS_ENTRY = "__trainer_class__"
+
+
+class _NotJSON(Exception):
+    pass
+
+
+# -- references ---------------------------------------------------------------------------
+def qualified_name(obj: Any) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def import_by_name(name: str) -> Any:
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _reference(obj: Any) -> str | None:
+    """module:qualname if `obj` is a function or class that importing by name gives back."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<" in qualname:
+        return None
+    try:
+        return qualified_name(obj) if import_by_name(f"{module}:{qualname}") is obj else None
+    except (ImportError, AttributeError):
+        return None
+
+
+# -- JSON encoding of plain data ---------------------------------------------------------
+def encode(value: Any) -> Any:
+    """JSON for plain data, dataclasses of plain data and importable functions; else _NotJSON."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [encode(v) for v in value]
+        return items if isinstance(value, list) else {"__tuple__": items}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise _NotJSON
+        return {k: encode(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        ref = _reference(type(value))
+        if ref is None:
+            raise _NotJSON
+        return {"__dataclass__": ref, "fields": {f.name: encode(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value) if f.init}}
+    if callable(value):
+        ref = _reference(value)
+        if ref is not None:
+            return {"__ref__": ref}
+    raise _NotJSON
+
+
+def decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(decode(v) for v in value["__tuple__"])
+        if "__ref__" in value:
+            return import_by_name(value["__ref__"])
+        if "__dataclass__" in value:
+            return import_by_name(value["__dataclass__"])(**{k: decode(v) for k, v in value["fields"].items()})
+        return {k: decode(v) for k, v in value.items()}
+    return value
+
+
+def describe(value: Any) -> Any:
+    """A JSON view of a value for identity and display: objects become their type name."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    kind = type(value)
+    return {"__object__": f"{kind.__module__}.{kind.__qualname__}"}
+
+
+# -- constructor arguments ----------------------------------------------------------------
+def bind_init_args(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The constructor's arguments by name, defaults included (what restore() can re-specify)."""
+    sig = inspect.signature(cls.__init__)
+    bound = sig.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    out: dict[str, Any] = {}
+    params = list(sig.parameters.values())[1:]
+    for p in params:
+        value = bound.arguments.get(p.name)
+        if p.kind is p.VAR_POSITIONAL:
+            if value:
+                raise TypeError(f"{cls.__name__}: *{p.name} arguments cannot be saved for restore; "
+                                "pass them by keyword")
+        elif p.kind is p.VAR_KEYWORD:
+            out.update(value or {})
+        else:
+            out[p.name] = value
+    return out
+
+
+def init_param_names(cls: type) -> list[str]:
+    return [p.name for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _is_function(value: Any) -> bool:
+    return inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value)
+
+
+def identity(trainer_class: type, init_args: dict[str, Any]) -> dict[str, Any]:
+    """What makes a run this run: its class, its plain non-mutable arguments, its dataset names."""
+    ident: dict[str, Any] = {"trainer_class": qualified_name(trainer_class)}
+    for name, value in sorted(init_args.items()):
+        if name in MUTABLE or _is_function(value):
+            continue
+        if name == DATASETS:
+            ident[DATASETS] = sorted(value or {})
+        else:
+            ident[name] = describe(value)
+    return ident
+
+
+def fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+def code_fingerprints(init_args: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for name, value in init_args.items():
+        if _is_function(value):
+            try:
+                out[name] = fingerprint(inspect.getsource(value))
+            except (OSError, TypeError):
+                out[name] = fingerprint(getattr(getattr(value, "__code__", None), "co_code", b"").hex())
+    return out
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict) and obj and "__object__" not in obj:
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+        return out
+    return {prefix: obj}
+
+
+def identity_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    a, b = _flatten(saved), _flatten(now)
+    missing = object()
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, missing), b.get(key, missing)
+        if old != new:
+            show = lambda v: "(absent)" if v is missing else json.dumps(v, default=repr)  # noqa: E731
+            lines.append(f"  {key}: saved {show(old)} -> now {show(new)}")
+    return lines
+
+
+def check_identity(manifest: RunManifest, trainer_class: type, init_args: dict, path: str) -> None:
+    """Auto-resume guard: raise IdentityMismatchError with the diff and the two ways out."""
+    now = identity(trainer_class, init_args)
+    if fingerprint(now) == manifest.identity_fingerprint:
+        return
+    diff = "\n".join(identity_diff(manifest.identity, now))
+    cls = trainer_class.__name__
+    raise IdentityMismatchError(
+        f"the run at {path!r} was started with a different configuration:\n{diff}\n"
+        f"Hint: to amend the run on purpose, call {cls}.restore({path!r}, <changed argument>=...)"
+        f".fit(); to start a separate run, give RunConfig a new name.")
+
+
+# -- saving -------------------------------------------------------------------------------
+@dataclass
+class SavedTrainer:
+    """A trainer's arguments encoded for storage: manifest fields plus per-argument pickles."""
+
+    fields: dict[str, Any]
+    pickles: dict[str, bytes]
+    params_json: bytes
+
+
+def encode_trainer(trainer_class: type, init_args: dict[str, Any]) -> SavedTrainer:
+    """Encode without writing anything; raises TypeError naming an argument that cannot be saved."""
+    params, pickles, must_respecify = {}, {}, []
+    for name, value in init_args.items():
+        if name == DATASETS and value:
+            builders = {k: ds for k, ds in value.items() if _is_function(ds) or isinstance(ds, type)}
+            if len(builders) != len(value):
+                must_respecify.append(name)
+                continue
+            value = builders
+        try:
+            params[name] = encode(value)
+        except _NotJSON:
+            try:
+                pickles[name] = cloudpickle.dumps(value)
+            except Exception as e:
+                raise TypeError(
+                    f"argument {name!r} of {trainer_class.__name__} cannot be saved for restore "
+                    f"({type(e).__name__}: {e}). The local engine must save every argument so the run "
+                    f"can be restored. Hint: pass something picklable, or build the object inside "
+                    f"the training function from plain settings in train_loop_config") from None
+    if _reference(trainer_class) is None:
+        pickles[_CLASS_ENTRY] = cloudpickle.dumps(trainer_class)
+    ident = identity(trainer_class, init_args)
+    fields = dict(
+        trainer_class=qualified_name(trainer_class),
+        trainer_mro=[qualified_name(c) for c in trainer_class.__mro__ if c is not object],
+        params=params, pickled_params=sorted(k for k in pickles if k != _CLASS_ENTRY),
+        must_respecify=must_respecify, dataset_names=sorted(init_args.get(DATASETS) or {}),
+        identity=ident, identity_fingerprint=fingerprint(ident),
+        code_fingerprints=code_fingerprints(init_args))
+    params_json = json.dumps(describe(init_args.get("train_loop_config")), indent=2, sort_keys=True)
+    return SavedTrainer(fields, pickles, params_json.encode())
+
+
+def write_trainer(storage: Storage, manifest: RunManifest, saved: SavedTrainer) -> None:
+    """Write trainer.pkl and params.json and fill the manifest (saved by the caller)."""
+    for key, value in saved.fields.items():
+        setattr(manifest, key, value)
+    storage.write_atomic(TRAINER_PKL, pickle.dumps(saved.pickles))
+    storage.write_atomic(PARAMS_JSON, saved.params_json)
+
+
+# -- loading ------------------------------------------------------------------------------
+def resolve_class(manifest: RunManifest, requested: type, path: str) -> type:
+    """The class to rebuild: `requested` itself, or the saved subclass of it."""
+    requested_name = qualified_name(requested)
+    if requested_name == manifest.trainer_class:
+        return requested
+    if requested_name not in manifest.trainer_mro:
+        saved = manifest.trainer_class.split(":")[-1]
+        raise TrainerClassMismatchError(
+            f"the run at {path!r} was saved by {manifest.trainer_class}, which is not a "
+            f"{requested.__name__}. Hint: use {saved}.restore({path!r}), or BaseTrainer.restore "
+            "to get whatever class was saved")
+    return _load_saved_class(manifest, path)
+
+
+def _load_saved_class(manifest: RunManifest, path: str) -> type:
+    try:
+        return import_by_name(manifest.trainer_class)
+    except (ImportError, AttributeError):
+        pass
+    storage = Storage.from_url(path)
+    blobs = pickle.loads(storage.read_bytes(TRAINER_PKL))
+    if _CLASS_ENTRY not in blobs:
+        raise ValueError(f"the trainer class {manifest.trainer_class} saved in {path!r} cannot be "
+                         "imported. Hint: make its module importable (PYTHONPATH), or call "
+                         "restore on the class itself")
+    return cloudpickle.loads(blobs[_CLASS_ENTRY])
+
+
+def load_init_args(storage: Storage, manifest: RunManifest, cls: type, overrides: dict[str, Any],
+                   path: str) -> dict[str, Any]:
+    """The saved arguments, with `overrides` taking the place of (never loading) saved ones."""
+    valid = sorted(set(manifest.params) | set(manifest.pickled_params) | set(manifest.must_respecify)
+                   | set(init_param_names(cls)))
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise TypeError(f"{cls.__name__}.restore() got unknown argument(s) {', '.join(unknown)}; "
+                        f"the arguments that can be re-specified are: {', '.join(valid)}")
+    args: dict[str, Any] = {}
+    for name, value in manifest.params.items():
+        if name not in overrides:
+            args[name] = decode(value)
+    needed = [n for n in manifest.pickled_params if n not in overrides]
+    if needed:
+        blobs = pickle.loads(storage.read_bytes(TRAINER_PKL))
+        for name in needed:
+            try:
+                args[name] = cloudpickle.loads(blobs[name])
+            except Exception as e:
+                raise ValueError(
+                    f"argument {name!r} saved with the run at {path!r} can no longer be loaded "
+                    f"({type(e).__name__}: {e}). Hint: re-specify it: "
+                    f"{cls.__name__}.restore({path!r}, {name}=...)") from None
+    for name in manifest.must_respecify:
+        if name not in overrides:
+            keys = ", ".join(f"{k!r}: ..." for k in manifest.dataset_names) if name == DATASETS else ""
+            example = f"{{{keys}}}" if name == DATASETS else "..."
+            raise ValueError(f"argument {name!r} was not saved with the run at {path!r} and must be "
+                             f"re-specified. Hint: {cls.__name__}.restore({path!r}, {name}={example})")
+    if DATASETS in overrides and manifest.dataset_names:
+        given = sorted(overrides[DATASETS] or {})
+        if given != manifest.dataset_names:
+            raise ValueError(f"datasets must be re-specified with the same keys as the saved run: "
+                             f"saved {manifest.dataset_names}, given {given}. Hint: "
+                             f"{cls.__name__}.restore({path!r}, datasets={{...}}) with keys "
+                             f"{manifest.dataset_names}")
+    args.update(overrides)
+    return args
+
+
+# -- fit(): create, auto-resume or continue a run -------------------------------------------
+def default_name(trainer_class: type) -> str:
+    return f"{trainer_class.__name__}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+
+
+def _is_fresh_dir(storage: Storage) -> bool:
+    """Absent, empty, or holding only the metadata folder of a run that never wrote run.json."""
+    entries = storage.listdir()
+    if not entries:
+        return True
+    return entries == [META_DIR] and not any(
+        e for e in storage.listdir(META_DIR) if e not in ("lease.json", "trainer.pkl"))
+
+
+def restore_hint(trainer_class: type, path: str) -> str:
+    return (f"{trainer_class.__name__}.restore({path!r}).fit(), or by running the same script "
+            "again with the same RunConfig(name=..., storage_path=...)")
+
+
+def open_run(trainer: Any) -> tuple[Any, Any]:
+    """Apply the restore rules for a fit() call. Returns (Run to drive, None) or (None, Result)
+    for a finished run. Raises before writing anything when the run must not start."""
+    from unbroken.result import Result
+    from unbroken.run import Run
+
+    cls = type(trainer)
+    config = trainer.run_config
+    restored = trainer._restored_from is not None
+    if restored:
+        storage = Storage.from_url(trainer._restored_from, config.storage_filesystem)
+    else:
+        root = Storage.from_url(config.resolved_storage_path(), config.storage_filesystem)
+        storage = root.child(config.name)
+    path = storage.url()
+    saved = encode_trainer(cls, trainer._init_args)  # fails now if an argument cannot be saved
+
+    manifest = None
+    if restored or manifest_exists(storage):
+        manifest = load_manifest(storage)
+        if not restored:
+            if config.resume == "never":
+                raise RunExistsError(
+                    f"a run already exists at {path!r} and RunConfig(resume='never') refuses to "
+                    "continue it. Hint: choose a new name, or use resume='auto' to continue it")
+            check_identity(manifest, cls, trainer._init_args, path)
+        if manifest.status == FINISHED and not trainer._restore_overrides:
+            log.info("run %s already finished; returning its stored result", path)
+            return None, Result.from_path(path, config.storage_filesystem)
+    else:
+        if not _is_fresh_dir(storage):
+            raise RunExistsError(
+                f"{path!r} exists and is not an unbroken run; it is left untouched. "
+                "Hint: choose another RunConfig(name=...) or storage_path")
+        if config.resume == "must":
+            raise RunNotFoundError(f"no run at {path!r} and RunConfig(resume='must') requires one. "
+                                   "Hint: check name and storage_path, or use resume='auto'")
+
+    storage.makedirs(META_DIR)
+    lease = Lease(storage)
+    lease.acquire()
+    try:
+        previous = None
+        if manifest is not None:
+            manifest = load_manifest(storage)  # re-read under the lease
+            previous = manifest.to_bytes()
+            _log_amendments(manifest, saved, path)
+        else:
+            manifest = RunManifest(name=posixpath.basename(path), trainer_class="", trainer_mro=[])
+        write_trainer(storage, manifest, saved)
+        return Run(storage, manifest, previous, lease, config.checkpoint_config), None
+    except BaseException:
+        lease.release()
+        raise
+
+
+def _log_amendments(manifest: RunManifest, saved: "SavedTrainer", path: str) -> None:
+    diff = identity_diff(manifest.identity, saved.fields["identity"])
+    if diff:
+        log.warning("run %s is amended on restore:\n%s", path, "\n".join(diff))
+    for name, fp in saved.fields["code_fingerprints"].items():
+        if manifest.code_fingerprints.get(name) not in (None, fp):
+            log.info("run %s: %s changed since the run was saved; using the new code", path, name)

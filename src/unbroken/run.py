@@ -1,0 +1,113 @@
+"""The run directory: one place that persists a run's manifest, attempts, metric rows
+and checkpoints, while its driver holds the lease."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+from unbroken import manifest as mf
+from unbroken.checkpoint_manager import CheckpointManager
+from unbroken.commit import FileEntry, Marker
+from unbroken.config import CheckpointConfig
+from unbroken.history import History
+from unbroken.lease import Lease
+from unbroken.manifest import Attempt, RunManifest
+from unbroken.storage import Storage
+
+log = logging.getLogger("unbroken")
+
+ERROR_TXT = "error.txt"
+
+
+class Run:
+    """A run directory opened for writing by the driver that holds its lease."""
+
+    def __init__(self, storage: Storage, manifest: RunManifest, previous: bytes | None,
+                 lease: Lease, checkpoint_config: CheckpointConfig) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self._previous = previous
+        self.lease = lease
+        self.checkpoints = CheckpointManager(storage, checkpoint_config)
+        self.history = History(storage)
+        self.attempt: Attempt | None = None
+        self._attempt_t0 = 0.0
+        self._time_base = 0.0
+        self._last_report_t = 0.0
+
+    @property
+    def path(self) -> str:
+        return self.storage.url()
+
+    def save_manifest(self) -> None:
+        self._previous = mf.save(self.storage, self.manifest, self._previous)
+
+    # -- attempts -----------------------------------------------------------------------
+    def begin_attempt(self, num_workers: int) -> Marker | None:
+        """Start a new attempt from the newest committed checkpoint; returns its marker."""
+        self.lease.beat()
+        resume = self.checkpoints.recover()
+        if self.history._rows is None:
+            self.history.open()
+        self.attempt = Attempt(number=self.manifest.attempt_count + 1, started_at=time.time(),
+                               resumed_from=resume.name if resume else None,
+                               resumed_iteration=resume.iteration if resume else 0,
+                               num_workers=num_workers)
+        self.manifest.attempts.append(self.attempt)
+        self.manifest.status = mf.RUNNING
+        self._sync_checkpoint_fields()
+        self.save_manifest()
+        self._time_base = float(resume.metrics.get("time_total_s", 0.0)) if resume else 0.0
+        self._attempt_t0 = self._last_report_t = time.monotonic()
+        return resume
+
+    def end_attempt(self, status: str, error: BaseException | None = None) -> None:
+        assert self.attempt is not None
+        self.attempt.ended_at = time.time()
+        self.attempt.status = status
+        if error is not None:
+            self.attempt.error = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.storage.write_atomic(ERROR_TXT, f"attempt {self.attempt.number}\n{text}".encode())
+        self.history.sync()
+        self.save_manifest()
+
+    def finish(self, status: str) -> None:
+        """Mark the whole run FINISHED, ERRORED or INTERRUPTED and release the lease."""
+        self.manifest.status = status
+        self._sync_checkpoint_fields()
+        self.save_manifest()
+        self.history.close()
+        self.lease.release()
+
+    # -- reports ------------------------------------------------------------------------
+    def record(self, iteration: int, metrics: dict[str, Any], checkpoint_name: str | None) -> dict:
+        """Append the row for one report round (rank 0's metrics plus the run's counters)."""
+        assert self.attempt is not None
+        now = time.monotonic()
+        row = dict(metrics)
+        row.update(training_iteration=iteration,
+                   time_total_s=self._time_base + (now - self._attempt_t0),
+                   time_this_iter_s=now - self._last_report_t, timestamp=time.time(),
+                   attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
+        self._last_report_t = now
+        self.history.append(row)
+        return row
+
+    def commit_checkpoint(self, iteration: int, per_rank_files: list[list[FileEntry]],
+                          row: dict) -> Marker:
+        assert self.attempt is not None
+        self.history.sync()
+        marker = self.checkpoints.commit(iteration, self.attempt.number, per_rank_files, row)
+        self._sync_checkpoint_fields()
+        self.save_manifest()
+        self.lease.beat()
+        return marker
+
+    def _sync_checkpoint_fields(self) -> None:
+        latest = self.checkpoints.latest
+        self.manifest.latest_checkpoint = latest.name if latest else None
+        self.manifest.best_checkpoints = [m.name for m in self.checkpoints.best()]

@@ -1,0 +1,208 @@
+"""The worker side of a run: what `train.report`, `train.get_checkpoint`,
+`train.get_context` and `train.get_dataset_shard` talk to inside a worker process.
+
+`report` is collective and pipelined: a rank sends report N and continues; before
+report N+1 (or a `should_checkpoint()` query) it takes the driver's reply to report N,
+which the driver sends once every rank has reported N. So every rank sees the same
+decisions (checkpoint now, stop) at the same report, and the report path costs one
+message each way with no polling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken.checkpoint import Checkpoint
+from unbroken.commit import staging_name, write_rank_files
+from unbroken.history import check_json_metrics
+from unbroken.storage import Storage
+
+
+class StopTraining(BaseException):
+    """Raised inside a worker's loop at a report when the driver stops the run.
+
+    A BaseException so that a user's `except Exception` does not swallow it.
+    """
+
+
+@dataclass
+class WorkerInfo:
+    """Everything a worker needs to know about its place in the run."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    experiment_name: str
+    run_path: str
+    storage: Storage
+    attempt: int
+    start_iteration: int
+    checkpoint: Checkpoint | None
+    storage_path: str
+    cpus: int = 1
+    use_gpu: bool = False
+    trial_name: str | None = None
+    trial_id: str | None = None
+    trial_dir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class TrainContext:
+    """What `train.get_context()` returns: this worker's rank, sizes, run and attempt."""
+
+    def __init__(self, info: WorkerInfo, session: "Session") -> None:
+        self._info = info
+        self._session = session
+
+    world_rank = property(lambda self: self._info.world_rank)
+    world_size = property(lambda self: self._info.world_size)
+    local_rank = property(lambda self: self._info.local_rank)
+    local_world_size = property(lambda self: self._info.local_world_size)
+    node_rank = property(lambda self: self._info.node_rank)
+    experiment_name = property(lambda self: self._info.experiment_name)
+    storage_path = property(lambda self: self._info.storage_path)
+    run_path = property(lambda self: self._info.run_path)
+    attempt = property(lambda self: self._info.attempt)
+    trial_name = property(lambda self: self._info.trial_name)
+    trial_id = property(lambda self: self._info.trial_id)
+
+    # Ray Train spellings, so ported scripts keep working.
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self.experiment_name
+
+    def get_trial_name(self) -> str | None:
+        return self.trial_name
+
+    def get_trial_id(self) -> str | None:
+        return self.trial_id
+
+    def get_storage_path(self) -> str:
+        return self.storage_path
+
+    def get_attempt(self) -> int:
+        return self.attempt
+
+    def should_checkpoint(self) -> bool:
+        """True when the driver asks for a checkpoint at this report (e.g. on preemption).
+
+        Every rank gets the same answer for the same report.
+        """
+        return self._session.should_checkpoint()
+
+
+class Session:
+    """One worker's connection to the driver."""
+
+    def __init__(self, info: WorkerInfo, conn: Any, datasets: dict[str, Any] | None) -> None:
+        self.info = info
+        self.conn = conn
+        self.datasets = datasets or {}
+        self.iteration = info.start_iteration
+        self.reports = 0
+        self._awaiting_reply = False
+        self._flags: dict[str, bool] = {}
+        self.context = TrainContext(info, self)
+
+    def _take_reply(self) -> None:
+        if self._awaiting_reply:
+            kind, flags = self.conn.recv()
+            assert kind == "reply", kind
+            self._flags = flags
+            self._awaiting_reply = False
+        if self._flags.get("stop"):
+            raise StopTraining()
+
+    def should_checkpoint(self) -> bool:
+        self._take_reply()
+        return bool(self._flags.get("checkpoint"))
+
+    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
+        check_json_metrics(metrics)
+        self._take_reply()
+        iteration = self.iteration + 1
+        files = None
+        if checkpoint is not None:
+            if not isinstance(checkpoint, Checkpoint):
+                raise TypeError("train.report(checkpoint=...) needs a Checkpoint, e.g. "
+                                "Checkpoint.from_directory(path)")
+            if not checkpoint.is_local:
+                raise ValueError(f"train.report needs a checkpoint in a local directory, got "
+                                 f"{checkpoint.path}. Hint: write the files to a temporary "
+                                 "directory and pass Checkpoint.from_directory(it)")
+            staging = staging_name(iteration, self.info.attempt, self.info.storage)
+            files = write_rank_files(self.info.storage, staging, checkpoint.path, self.info.world_rank)
+        self.conn.send(("report", iteration, metrics, files))
+        self.iteration = iteration
+        self.reports += 1
+        self._awaiting_reply = True
+        self._flags = {}
+
+    def finish(self) -> None:
+        """Wait for the driver to have processed the last report, then say we are done."""
+        try:
+            self._take_reply()
+        except StopTraining:
+            pass
+        self.conn.send(("done", self.reports))
+
+    def get_checkpoint(self) -> Checkpoint | None:
+        return self.info.checkpoint
+
+    def get_dataset_shard(self, name: str) -> Any:
+        if name not in self.datasets:
+            raise KeyError(f"no dataset named {name!r}; the trainer has: {sorted(self.datasets)}. "
+                           "Hint: pass datasets={name: ...} to the trainer")
+        return shard(self.datasets[name], self.info.world_rank, self.info.world_size)
+
+
+def shard(dataset: Any, rank: int, world_size: int) -> Any:
+    """This rank's part of a dataset: every world_size-th item starting at rank."""
+    if callable(dataset) and not hasattr(dataset, "__getitem__"):
+        dataset = dataset()
+    indices = range(rank, len(dataset), world_size)
+    if isinstance(dataset, (list, tuple)):
+        return type(dataset)(dataset[i] for i in indices)
+    try:
+        from torch.utils.data import Dataset, Subset
+    except ImportError:  # pragma: no cover - torch is optional for DataParallelTrainer
+        return [dataset[i] for i in indices]
+    if isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__"):
+        return Subset(dataset, list(indices))
+    return [dataset[i] for i in indices]
+
+
+_current: Session | None = None
+
+
+def install(session: Session | None) -> None:
+    global _current
+    _current = session
+
+
+def current(what: str) -> Session:
+    if _current is None:
+        raise RuntimeError(f"{what} can only be called inside a training function run by a "
+                           "trainer's fit(). Hint: call it from train_loop_per_worker")
+    return _current
+
+
+def in_worker() -> bool:
+    return _current is not None

@@ -1,0 +1,33 @@
+"""TorchTrainer: DataParallelTrainer with a torch.distributed process group."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch._dynamo  # noqa: F401  DDP imports it on first use (~2 s); workers forked later inherit it
+
+from unbroken.checkpoint import Checkpoint
+from unbroken.config import RunConfig, ScalingConfig
+from unbroken.engine import local as _local
+from unbroken.torch_backend import TorchConfig, get_device, prepare_data_loader, prepare_model
+from unbroken.trainer import DataParallelTrainer
+
+_local.mark_clean()
+
+__all__ = ["TorchConfig", "TorchTrainer", "get_device", "prepare_data_loader", "prepare_model"]
+
+
+class TorchTrainer(DataParallelTrainer):
+    """Runs `train_loop_per_worker(config)` on each worker inside a torch.distributed group."""
+
+    def __init__(self, train_loop_per_worker: Callable[..., None], *,
+                 train_loop_config: dict[str, Any] | None = None,
+                 torch_config: TorchConfig | None = None,
+                 scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
+                 datasets: dict[str, Any] | None = None,
+                 resume_from_checkpoint: Checkpoint | None = None) -> None:
+        super().__init__(train_loop_per_worker, train_loop_config=train_loop_config,
+                         scaling_config=scaling_config, run_config=run_config, datasets=datasets,
+                         resume_from_checkpoint=resume_from_checkpoint,
+                         backend_config=torch_config or TorchConfig())
