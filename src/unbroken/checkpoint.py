@@ -7,7 +7,8 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 
@@ -30,7 +31,7 @@ class Checkpoint:
         self.filesystem = self._storage.fs
 
     @classmethod
-    def from_directory(cls, path: str | os.PathLike) -> "Checkpoint":
+    def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
         """Wrap a local directory (nothing is copied until it is reported)."""
         return cls(os.path.abspath(os.fspath(path)))
 

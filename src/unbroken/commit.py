@@ -54,7 +54,7 @@ class Marker:
         return json.dumps(asdict(self), sort_keys=True, default=repr).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Marker":
+    def from_bytes(cls, data: bytes) -> Marker:
         raw = json.loads(data)
         raw["files"] = [FileEntry(**f) for f in raw["files"]]
         return cls(**raw)

@@ -9,6 +9,7 @@ The worker group is the engine's business; storage is the Run's.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from typing import Any
 
@@ -61,7 +62,7 @@ class Controller:
                 log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
             group = make_worker_group(self.scaling)
             try:
-                group.start(lambda rank, local_rank, node: self._payload(resume, rank, local_rank, node))
+                group.start(functools.partial(self._payload, resume))
                 self.state = ControllerState.RUNNING
                 self._drive(group)
             except BaseException as error:

@@ -70,7 +70,7 @@ class RunManifest:
         return json.dumps(asdict(self), indent=1, sort_keys=True, default=repr).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "RunManifest":
+    def from_bytes(cls, data: bytes, where: str) -> RunManifest:
         raw = json.loads(data)
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")

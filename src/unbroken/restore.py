@@ -14,18 +14,16 @@ import hashlib
 import importlib
 import inspect
 import json
-import pickle
-from typing import Any
-
 import logging
+import pickle
 import posixpath
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import cloudpickle
 
-from unbroken.errors import (IdentityMismatchError, RunExistsError, RunNotFoundError,
-                             TrainerClassMismatchError)
+from unbroken.errors import IdentityMismatchError, RunExistsError, RunNotFoundError, TrainerClassMismatchError
 from unbroken.lease import Lease
 from unbroken.manifest import FINISHED, META_DIR, RunManifest
 from unbroken.manifest import is_run_dir as manifest_exists
@@ -106,7 +104,8 @@ def decode(value: Any) -> Any:
         if "__ref__" in value:
             return import_by_name(value["__ref__"])
         if "__dataclass__" in value:
-            return import_by_name(value["__dataclass__"])(**{k: decode(v) for k, v in value["fields"].items()})
+            fields = {k: decode(v) for k, v in value["fields"].items()}
+            return import_by_name(value["__dataclass__"])(**fields)
         return {k: decode(v) for k, v in value.items()}
     return value
 
@@ -415,7 +414,7 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
         raise
 
 
-def _log_amendments(manifest: RunManifest, saved: "SavedTrainer", path: str) -> None:
+def _log_amendments(manifest: RunManifest, saved: SavedTrainer, path: str) -> None:
     diff = identity_diff(manifest.identity, saved.fields["identity"])
     if diff:
         log.warning("run %s is amended on restore:\n%s", path, "\n".join(diff))

@@ -37,7 +37,7 @@ class Result:
         return Storage.from_url(self.path).fs
 
     @classmethod
-    def from_path(cls, path: str, storage_filesystem: Any = None) -> "Result":
+    def from_path(cls, path: str, storage_filesystem: Any = None) -> Result:
         """Read any run directory: metrics each iteration once, latest committed checkpoint."""
         storage = Storage.from_url(path, storage_filesystem)
         manifest = mf.load(storage)

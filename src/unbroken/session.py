@@ -53,7 +53,7 @@ class WorkerInfo:
 class TrainContext:
     """What `train.get_context()` returns: this worker's rank, sizes, run and attempt."""
 
-    def __init__(self, info: WorkerInfo, session: "Session") -> None:
+    def __init__(self, info: WorkerInfo, session: Session) -> None:
         self._info = info
         self._session = session
 

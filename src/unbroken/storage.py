@@ -42,7 +42,7 @@ class Storage:
         self.is_local = isinstance(fs, LocalFileSystem)
 
     @classmethod
-    def from_url(cls, url: str, filesystem: fsspec.AbstractFileSystem | None = None) -> "Storage":
+    def from_url(cls, url: str, filesystem: fsspec.AbstractFileSystem | None = None) -> Storage:
         """Open `url` (a local path or any fsspec URL); `filesystem` overrides the URL's protocol."""
         url = os.fspath(url)
         if filesystem is not None:
@@ -72,7 +72,7 @@ class Storage:
             return path
         return self.fs.unstrip_protocol(path)
 
-    def child(self, rel: str) -> "Storage":
+    def child(self, rel: str) -> Storage:
         return Storage(self.fs, self.path(rel))
 
     # -- queries --------------------------------------------------------------------
@@ -134,7 +134,8 @@ class Storage:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except PermissionError as e:
-            raise StorageError(f"cannot write {path!r}: {e}. Hint: choose a storage_path you can write to") from None
+            raise StorageError(f"cannot write {path!r}: {e}. "
+                               "Hint: choose a storage_path you can write to") from None
         _fsync_dir(os.path.dirname(path))
 
     def write_json(self, rel: str, obj: Any) -> None:

@@ -28,7 +28,7 @@ class TorchConfig:
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"TorchConfig.backend must be 'gloo' or 'nccl', got {self.backend!r}")
 
-    def make_backend(self) -> "TorchBackend":
+    def make_backend(self) -> TorchBackend:
         return TorchBackend(self)
 
 

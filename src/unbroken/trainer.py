@@ -6,7 +6,8 @@ import dataclasses
 import inspect
 import logging
 import os
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from unbroken import manifest as mf
 from unbroken import restore as rs
@@ -31,7 +32,7 @@ class BaseTrainer:
     _restored_from: str | None = None
     _restore_overrides: frozenset[str] = frozenset()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "BaseTrainer":
+    def __new__(cls, *args: Any, **kwargs: Any) -> BaseTrainer:
         self = super().__new__(cls)
         try:
             self._init_args = rs.bind_init_args(cls, args, kwargs)

@@ -14,7 +14,8 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from unbroken.engine.worker import Pickled, WorkerPayload, worker_main
 

@@ -36,7 +36,7 @@ class Pickled:
         return (_unpickle, (cloudpickle.dumps(self.obj),))
 
 
-def _unpickle(data: bytes) -> "Pickled":
+def _unpickle(data: bytes) -> Pickled:
     return Pickled(cloudpickle.loads(data))
 
 

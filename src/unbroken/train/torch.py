@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch._dynamo  # noqa: F401  DDP imports it on first use (~2 s); workers forked later inherit it

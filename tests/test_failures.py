@@ -1,0 +1,73 @@
+"""Worker failures within one fit(): retries from the latest checkpoint, or a clear error."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from loops import final_weights, linear_loop
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+from unbroken.train.torch import TorchTrainer
+
+
+def fit(storage, name, max_failures=0, **config):
+    config = {"iterations": 8, "ckpt_every": 2, **config}
+    return TorchTrainer(linear_loop, train_loop_config=config,
+                        scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name=name, storage_path=storage,
+                                             failure_config=FailureConfig(max_failures=max_failures))).fit()
+
+
+def test_worker_exception_is_retried_from_latest_checkpoint(storage):
+    reference = fit(storage, "reference")
+    result = fit(storage, "retried", max_failures=2, fail_at=(5, 1))
+    manifest = json.load(open(os.path.join(result.path, ".unbroken", "run.json")))
+    attempts = manifest["attempts"]
+    assert [a["status"] for a in attempts] == ["ERRORED", "FINISHED"]
+    assert "injected failure at iteration 5" in attempts[0]["error"]
+    assert attempts[1]["resumed_from"] == "checkpoint_000004" and attempts[1]["resumed_iteration"] == 4
+    df = result.metrics_dataframe
+    assert list(df["training_iteration"]) == list(range(1, 9))
+    assert list(df["attempt"]) == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert "injected failure" in open(os.path.join(result.path, "error.txt")).read()
+    # Resuming from a committed checkpoint gives exactly the uninterrupted weights.
+    for key, value in final_weights(reference).items():
+        assert torch.equal(value, final_weights(result)[key])
+
+
+def test_without_retries_fit_raises_with_the_restore_call(storage):
+    with pytest.raises(TrainingFailedError) as info:
+        fit(storage, "noretry", fail_at=(3, 1))
+    message = str(info.value)
+    path = os.path.join(storage, "noretry")
+    assert f"TorchTrainer.restore({path!r}).fit()" in message
+    assert "injected failure at iteration 3" in message
+    assert isinstance(info.value.__cause__, RuntimeError)
+    manifest = json.load(open(os.path.join(path, ".unbroken", "run.json")))
+    assert manifest["status"] == "ERRORED" and manifest["latest_checkpoint"] == "checkpoint_000002"
+    # The run is restorable from where it stopped.
+    restored = TorchTrainer.restore(path).fit()
+    assert list(restored.metrics_dataframe["training_iteration"]) == list(range(1, 9))
+
+
+def test_killed_worker_is_noticed_at_once_and_retried(storage, tmp_path):
+    marker = tmp_path / "killed_at"
+    result = fit(storage, "killed", max_failures=1, kill_worker_at=(3, 1), kill_marker=str(marker))
+    manifest = json.load(open(os.path.join(result.path, ".unbroken", "run.json")))
+    first = manifest["attempts"][0]
+    assert first["status"] == "ERRORED" and "SIGKILL" in first["error"]
+    # Noticed through the process sentinel, not a timeout (generous bound for a loaded machine).
+    assert first["ended_at"] - float(marker.read_text()) < 2.0
+    assert list(result.metrics_dataframe["training_iteration"]) == list(range(1, 9))
+
+
+def test_killed_worker_without_retries_fails_the_run(storage):
+    with pytest.raises(TrainingFailedError) as info:
+        fit(storage, "killed-once", kill_worker_at=(3, 1))
+    assert "worker rank 1" in str(info.value) and "SIGKILL" in str(info.value)
+
+
+def test_unlimited_retries(storage):
+    result = fit(storage, "unlimited", max_failures=-1, fail_at=(2, 1))
+    assert result.metrics["training_iteration"] == 8

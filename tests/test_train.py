@@ -1,0 +1,203 @@
+"""fit() on real worker processes: results, the worker API, the storage layout, retention."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from loops import linear_loop, simple_loop
+from unbroken import train
+from unbroken.errors import ReportMismatchError
+from unbroken.train import (
+    BaseTrainer,
+    CheckpointConfig,
+    DataParallelTrainer,
+    Result,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+)
+from unbroken.train.torch import TorchTrainer, prepare_data_loader, prepare_model
+
+
+def two_workers():
+    return ScalingConfig(num_workers=2)
+
+
+def test_fit_returns_result_with_metrics_checkpoint_and_history(storage):
+    result = TorchTrainer(linear_loop, train_loop_config={"iterations": 6, "ckpt_every": 2},
+                          scaling_config=two_workers(),
+                          run_config=RunConfig(name="basic", storage_path=storage)).fit()
+    assert result.error is None
+    assert result.path == os.path.join(storage, "basic")
+    assert result.metrics["training_iteration"] == 6 and result.metrics["it"] == 6
+    assert result.metrics["attempt"] == 1
+    assert result.checkpoint.path == os.path.join(storage, "basic", "checkpoint_000006")
+    df = result.metrics_dataframe
+    assert list(df["training_iteration"]) == [1, 2, 3, 4, 5, 6]
+    assert list(df["checkpoint_dir_name"].fillna("")) == ["", "checkpoint_000002", "",
+                                                          "checkpoint_000004", "", "checkpoint_000006"]
+    assert df["time_total_s"].is_monotonic_increasing
+    # The loss went down: a real model trained across two DDP workers.
+    assert df["loss"].iloc[-1] < df["loss"].iloc[0]
+
+
+def context_loop(config):
+    ctx = train.get_context()
+    shard = train.get_dataset_shard("train")
+    info = {"rank": ctx.get_world_rank(), "world": ctx.get_world_size(),
+            "local_rank": ctx.get_local_rank(), "node": ctx.get_node_rank(),
+            "name": ctx.get_experiment_name(), "attempt": ctx.get_attempt(),
+            "storage": ctx.get_storage_path(), "shard": list(shard),
+            "dist": torch.distributed.is_initialized(), "env_rank": os.environ["RANK"]}
+    with open(os.path.join(config["out"], f"rank{info['rank']}.json"), "w") as f:
+        json.dump(info, f)
+    train.report({"x": 1})
+
+
+@pytest.mark.parametrize("trainer_cls,dist", [(TorchTrainer, True), (DataParallelTrainer, False)])
+def test_context_and_dataset_shards(storage, tmp_path, trainer_cls, dist):
+    trainer_cls(context_loop, train_loop_config={"out": str(tmp_path)}, scaling_config=two_workers(),
+                datasets={"train": list(range(10))},
+                run_config=RunConfig(name="ctx", storage_path=storage)).fit()
+    infos = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for rank, info in enumerate(infos):
+        assert info["rank"] == rank and info["world"] == 2 and info["local_rank"] == rank
+        assert info["node"] == 0 and info["name"] == "ctx" and info["attempt"] == 1
+        assert info["storage"] == storage and info["env_rank"] == str(rank)
+        assert info["dist"] is dist
+    assert sorted(infos[0]["shard"] + infos[1]["shard"]) == list(range(10))
+    assert not set(infos[0]["shard"]) & set(infos[1]["shard"])
+
+
+def loader_loop(config):
+    ds = torch.utils.data.TensorDataset(torch.arange(20).float().unsqueeze(1))
+    loader = prepare_data_loader(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True))
+    model = prepare_model(torch.nn.Linear(1, 1))
+    seen = []
+    for _epoch in range(2):
+        epoch_seen = [int(v) for (batch,) in loader for v in batch.flatten()]
+        seen.append(epoch_seen)
+    rank = train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"seen{rank}.json"), "w") as f:
+        json.dump({"seen": seen, "ddp": type(model).__name__}, f)
+    train.report({"n": len(seen[0])})
+
+
+def test_prepare_model_and_data_loader_shard_the_data(storage, tmp_path):
+    TorchTrainer(loader_loop, train_loop_config={"out": str(tmp_path)}, scaling_config=two_workers(),
+                 run_config=RunConfig(name="loader", storage_path=storage)).fit()
+    seen = [json.load(open(tmp_path / f"seen{r}.json")) for r in range(2)]
+    assert all(s["ddp"] == "DistributedDataParallel" for s in seen)
+    for epoch in range(2):
+        both = seen[0]["seen"][epoch] + seen[1]["seen"][epoch]
+        assert sorted(both) == list(range(20)), "each sample once per epoch across ranks"
+    assert seen[0]["seen"][0] != seen[0]["seen"][1], "the sampler reshuffles each epoch"
+
+
+class CountingTrainer(BaseTrainer):
+    """A BaseTrainer subclass: its own arguments, its own training_loop."""
+
+    def __init__(self, steps: int, *, run_config=None, scaling_config=None):
+        super().__init__(run_config=run_config, scaling_config=scaling_config)
+        self.steps = steps
+
+    def training_loop(self):
+        for i in range(self.steps):
+            train.report({"step": i})
+
+
+def test_base_trainer_subclass_runs_training_loop(storage):
+    result = CountingTrainer(3, run_config=RunConfig(name="count", storage_path=storage)).fit()
+    assert list(result.metrics_dataframe["step"]) == [0, 1, 2]
+    assert BaseTrainer.restore(result.path).steps == 3
+
+
+def test_storage_layout_and_commit_protocol(storage):
+    result = DataParallelTrainer(simple_loop, train_loop_config={"iterations": 3, "per_rank": True},
+                                 scaling_config=two_workers(),
+                                 run_config=RunConfig(name="layout", storage_path=storage)).fit()
+    run = result.path
+    entries = sorted(os.listdir(run))
+    assert entries == [".unbroken", "checkpoint_000001", "checkpoint_000002", "checkpoint_000003",
+                       "params.json", "progress.csv", "result.json"]
+    assert sorted(os.listdir(os.path.join(run, ".unbroken"))) == ["run.json", "run.prev.json",
+                                                                  "trainer.pkl"]
+    manifest = json.load(open(os.path.join(run, ".unbroken", "run.json")))
+    previous = json.load(open(os.path.join(run, ".unbroken", "run.prev.json")))
+    assert manifest["generation"] == previous["generation"] + 1
+    assert manifest["status"] == "FINISHED" and manifest["latest_checkpoint"] == "checkpoint_000003"
+    assert manifest["schema_version"] == 1 and manifest["trainer_class"].endswith("DataParallelTrainer")
+    assert manifest["params"]["train_loop_per_worker"] == {"__ref__": "loops:simple_loop"}
+    # Each rank wrote its own file; they merged into one checkpoint with a marker listing both.
+    ckpt = os.path.join(run, "checkpoint_000002")
+    assert sorted(os.listdir(ckpt)) == [".checkpoint.json", "rank0.txt", "rank1.txt"]
+    marker = json.load(open(os.path.join(ckpt, ".checkpoint.json")))
+    assert [f["path"] for f in marker["files"]] == ["rank0.txt", "rank1.txt"]
+    assert [f["rank"] for f in marker["files"]] == [0, 1]
+    assert marker["iteration"] == 2 and marker["metrics"]["score"] == 2
+    rows = [json.loads(line) for line in open(os.path.join(run, "result.json"))]
+    assert [r["training_iteration"] for r in rows] == [1, 2, 3] and {r["attempt"] for r in rows} == {1}
+    assert json.load(open(os.path.join(run, "params.json"))) == {"iterations": 3, "per_rank": True}
+    assert open(os.path.join(run, "progress.csv")).readline().startswith("score,it,training_iteration")
+
+
+def test_retention_keeps_num_to_keep_latest(storage):
+    result = DataParallelTrainer(simple_loop, train_loop_config={"iterations": 5},
+                                 run_config=RunConfig(name="keep", storage_path=storage,
+                                                      checkpoint_config=CheckpointConfig(num_to_keep=2))
+                                 ).fit()
+    assert sorted(n for n in os.listdir(result.path) if n.startswith("checkpoint")) == [
+        "checkpoint_000004", "checkpoint_000005"]
+
+
+def test_retention_best_k_by_score_never_drops_latest(storage):
+    scores = [5, 1, 9, 2, 3]
+    config = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score",
+                              checkpoint_score_order="max")
+    result = DataParallelTrainer(simple_loop, train_loop_config={"iterations": 5, "score": scores},
+                                 run_config=RunConfig(name="best", storage_path=storage,
+                                                      checkpoint_config=config)).fit()
+    kept = sorted(n for n in os.listdir(result.path) if n.startswith("checkpoint"))
+    # Best two by score are iterations 3 (9) and 1 (5); the latest (5) is always kept.
+    assert kept == ["checkpoint_000001", "checkpoint_000003", "checkpoint_000005"]
+    assert [c.path.rsplit("/", 1)[1] for c, _ in result.best_checkpoints][:2] == [
+        "checkpoint_000003", "checkpoint_000001"]
+    assert result.checkpoint.path.endswith("checkpoint_000005")
+
+
+def bad_metrics_loop(config):
+    train.report({"loss": torch.tensor([1.0, 2.0])})
+
+
+def test_metrics_that_are_not_json_fail_clearly(storage):
+    with pytest.raises(TrainingFailedError) as info:
+        DataParallelTrainer(bad_metrics_loop,
+                            run_config=RunConfig(name="badmetrics", storage_path=storage)).fit()
+    assert isinstance(info.value.__cause__, TypeError)
+    assert "'loss'" in str(info.value.__cause__) and "not JSON-serializable" in str(info.value.__cause__)
+
+
+def uneven_loop(config):
+    n = 3 if train.get_context().get_world_rank() == 0 else 2
+    for i in range(n):
+        train.report({"i": i})
+
+
+def test_report_called_by_some_ranks_only(storage):
+    with pytest.raises(TrainingFailedError) as info:
+        DataParallelTrainer(uneven_loop, scaling_config=two_workers(),
+                            run_config=RunConfig(name="uneven", storage_path=storage,
+                                                 failure_config=None)).fit()
+    assert isinstance(info.value.__cause__, ReportMismatchError)
+    assert "collective" in str(info.value.__cause__)
+
+
+def test_result_from_path_reads_a_finished_run(storage):
+    result = DataParallelTrainer(simple_loop, train_loop_config={"iterations": 3},
+                                 run_config=RunConfig(name="frompath", storage_path=storage)).fit()
+    again = Result.from_path(result.path)
+    assert again.metrics == result.metrics
+    assert again.checkpoint == result.checkpoint
+    assert list(again.metrics_dataframe["training_iteration"]) == [1, 2, 3]
