@@ -98,6 +98,10 @@ class _DeviceLoader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Use `epoch`'s sample order for the next pass (call it when resuming mid-training)."""
+        self._epoch = epoch
+
     def __iter__(self):
         sampler = self._loader.sampler
         if isinstance(sampler, DistributedSampler):
