@@ -218,8 +218,10 @@ def render(startup: dict, trained: dict, ray: str | None, repeats: int, startup_
         row("interpreter start → torch + framework imported", lambda r: r["import_s"]),
         row("fit() / fork → first training step (slowest rank)", lambda r: r["to_first_step_s"]),
         row("in-loop (first step → last checkpoint)", lambda r: r["in_loop_s"]),
-        row("rest (teardown, process exit)",
-            lambda r: r["wall_s"] - r["import_s"] - r["to_first_step_s"] - r["in_loop_s"]),
+        row("last checkpoint → fit() / workers' join returns",
+            lambda r: r["fit_s"] - r["to_first_step_s"] - r["in_loop_s"]),
+        row("rest: building the trainer; fit() returns → process exit",
+            lambda r: r["wall_s"] - r["import_s"] - r["fit_s"]),
         "",
         f"Training job: MLP {train_params['in_dim']}→{train_params['hidden']}→{train_params['hidden']}→1, "
         f"{train_params['samples']} samples, batch {train_params['batch_size']} per rank, "

@@ -70,6 +70,7 @@ class BaseTrainer:
             return finished
         hint = rs.restore_hint(type(self), run.path)
         Controller(self, run, hint).execute()
+        self._restore_overrides = frozenset()  # applied; a second fit() returns the stored result
         return Result.from_path(run.path, self.run_config.storage_filesystem)
 
     @classmethod

@@ -81,11 +81,14 @@ class LocalWorkerGroup:
 
     def start(self, make_payload: Callable[[int, int, int], WorkerPayload]) -> None:
         """Start every worker; `make_payload(rank, local_rank, node_rank)` says what it runs."""
-        ctx = _context(start_method())
+        method = start_method()
+        ctx = _context(method)
+        # A forked worker's parent is this driver; a forkserver's child has the server as parent.
+        parent = os.getpid() if method == "fork" else None
         for rank in range(self.num_workers):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_main, name=f"unbroken-worker-{rank}",
-                               args=(Pickled(make_payload(rank, rank, 0)), child_end, os.getpid()))
+                               args=(Pickled(make_payload(rank, rank, 0)), child_end, parent))
             proc.start()
             child_end.close()
             self.procs.append(proc)

@@ -40,8 +40,9 @@ def _unpickle(data: bytes) -> Pickled:
     return Pickled(cloudpickle.loads(data))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel SIGKILLs this worker when the driver dies, even by SIGKILL."""
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Linux: the kernel SIGKILLs this worker when its parent (the driver, or the forkserver
+    that exits with the driver) dies, even by SIGKILL."""
     try:
         import ctypes
 
@@ -49,11 +50,11 @@ def _die_with_parent(parent_pid: int) -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:
+    if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
 
 
-def _set_up_process(info: WorkerInfo, parent_pid: int) -> None:
+def _set_up_process(info: WorkerInfo, parent_pid: int | None) -> None:
     # The driver coordinates shutdown; a Ctrl-C in the terminal must not kill workers mid-write.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -66,7 +67,7 @@ def _set_up_process(info: WorkerInfo, parent_pid: int) -> None:
         sys.modules["torch"].set_num_threads(info.cpus)
 
 
-def worker_main(payload: Pickled, conn: Any, parent_pid: int) -> None:
+def worker_main(payload: Pickled, conn: Any, parent_pid: int | None) -> None:
     work: WorkerPayload = payload.obj
     info, trainer = work.info, work.trainer
     _set_up_process(info, parent_pid)
