@@ -4,6 +4,10 @@ import sys
 
 import pytest
 
+# DDP imports torch._dynamo on first use (seconds); importing it once here lets every
+# worker group the tests fork inherit it instead of importing it again.
+import torch._dynamo  # noqa: F401, E402
+
 # Imported at collection, before any test runs torch ops in this process, so that workers
 # can be forked from it (see unbroken.engine.local).
 import unbroken.train.torch  # noqa: F401

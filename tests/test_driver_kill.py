@@ -86,6 +86,7 @@ def test_driver_sigkill_then_restore_in_a_new_process(storage, tmp_path):
     manifest = json.load(open(os.path.join(path, ".unbroken", "run.json")))
     assert manifest["status"] == "FINISHED" and len(manifest["attempts"]) == 2
     assert manifest["attempts"][1]["resumed_from"] == f"checkpoint_{resumed_from}"
+    assert manifest["attempts"][0]["status"] == "ABORTED", "the killed driver's attempt is closed"
     assert not [n for n in os.listdir(path) if ".tmp-" in n], "uncommitted leftovers cleaned"
 
     reference = run_script(DRIVER, storage, "reference", str(iterations), str(tmp_path))

@@ -43,9 +43,10 @@ def loop(config):
     train.report({"x": config["x"]})
 print("X", DataParallelTrainer(loop, train_loop_config=lock_free,
       run_config=RunConfig(name="fork", storage_path=sys.argv[1])).fit().metrics["x"])
+print("AFTER FIT", start_method(), flush=True)  # fit() itself starts no lasting threads
 """
 
 
 def test_single_threaded_driver_forks_its_workers(tmp_path):
     out = run_script(FORK_DRIVER, str(tmp_path)).stdout
-    assert "METHOD fork" in out and "X 1" in out
+    assert "METHOD fork" in out and "X 1" in out and "AFTER FIT fork" in out

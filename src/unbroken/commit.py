@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from unbroken import faults
-from unbroken.errors import TornCheckpointError
+from unbroken.errors import CheckpointConflictError, TornCheckpointError
 from unbroken.storage import Storage
 
 MARKER = ".checkpoint.json"
@@ -82,7 +83,7 @@ def staging_name(iteration: int, attempt: int, storage: Storage) -> str:
 
 def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) -> list[FileEntry]:
     """Copy one rank's checkpoint directory into the staging area (worker side)."""
-    entries = []
+    entries, dirs = [], set()
     for dirpath, _, filenames in os.walk(local_dir):
         for fn in sorted(filenames):
             src = os.path.join(dirpath, fn)
@@ -91,10 +92,12 @@ def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) 
                 continue
             size, crc = storage.put_file(src, f"{staging}/{rel}")
             entries.append(FileEntry(rel, size, crc, rank))
+            dirs.add(posixpath.dirname(f"{staging}/{rel}"))
             faults.point("after_file_write")
     if storage.is_local:
         storage.makedirs(staging)
-        storage.fsync_dir(staging)
+        for d in sorted(dirs | {staging}, reverse=True):
+            storage.fsync_dir(d)
         faults.point("after_fsync")
     return entries
 
@@ -106,7 +109,7 @@ def merge_rank_files(per_rank: list[list[FileEntry]]) -> list[FileEntry]:
         for e in entries:
             seen = merged.get(e.path)
             if seen is not None and (seen.size, seen.crc32) != (e.size, e.crc32):
-                raise ValueError(
+                raise CheckpointConflictError(
                     f"ranks {seen.rank} and {e.rank} both wrote checkpoint file {e.path!r} with "
                     "different contents. Hint: give each rank's files distinct names, "
                     "e.g. f'shard_{train.get_context().get_world_rank()}.pt'")

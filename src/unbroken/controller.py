@@ -60,13 +60,15 @@ class Controller:
             attempt = self.run.attempt.number
             if resume is not None:
                 log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
-            group = make_worker_group(self.scaling)
+            group = None
             try:
+                group = make_worker_group(self.scaling)
                 group.start(functools.partial(self._payload, resume))
                 self.state = ControllerState.RUNNING
                 self._drive(group)
             except BaseException as error:
-                group.shutdown(kill=True)
+                if group is not None:
+                    group.shutdown(kill=True)
                 self.run.end_attempt(mf.ERRORED, error)
                 if not isinstance(error, Exception) or self.policy.decide(error) is FailureDecision.RAISE:
                     self.state = ControllerState.ERRORED

@@ -60,5 +60,9 @@ class TornCheckpointError(UnbrokenError, ValueError):
     """A checkpoint's files do not match its commit marker."""
 
 
+class CheckpointConflictError(UnbrokenError, ValueError):
+    """Two ranks attached different files under the same name to one checkpoint."""
+
+
 class ReportMismatchError(UnbrokenError, RuntimeError):
     """train.report was called a different number of times on different ranks."""

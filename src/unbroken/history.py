@@ -8,6 +8,7 @@ iteration exactly once.
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import logging
@@ -129,8 +130,12 @@ def to_dataframe(rows: list[dict]):
 
 
 def write_progress_csv(storage: Storage, rows: list[dict]) -> None:
+    """All rows (abandoned ones included, with their attempt) as a table; columns in first-seen order."""
     if not rows:
         return
+    columns = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
-    to_dataframe([{k: _sanitize(v) for k, v in r.items()} for r in rows]).to_csv(buf, index=False)
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: _sanitize(v) for k, v in r.items()} for r in rows)
     storage.write_atomic(PROGRESS_CSV, buf.getvalue().encode())

@@ -25,6 +25,7 @@ RUN_JSON = f"{META_DIR}/run.json"
 RUN_PREV_JSON = f"{META_DIR}/run.prev.json"
 
 RUNNING, FINISHED, ERRORED, INTERRUPTED = "RUNNING", "FINISHED", "ERRORED", "INTERRUPTED"
+ABORTED = "ABORTED"  # an attempt whose driver died (e.g. SIGKILL) before it could record an end
 
 
 @dataclass
@@ -99,7 +100,7 @@ def load(storage: Storage) -> RunManifest:
     where = storage.url()
     if not storage.exists():
         raise RunNotFoundError(f"no run at {where!r}: the path does not exist. "
-                               "Hint: check the path, or list runs with `unbroken ls STORAGE`")
+                               "Hint: check the path; a run is <storage_path>/<name>")
     if not storage.isdir():
         raise RunNotFoundError(f"{where!r} is a file, not a run directory. "
                                "Hint: pass the run's directory, <storage_path>/<name>")

@@ -28,6 +28,7 @@ from unbroken.lease import Lease
 from unbroken.manifest import FINISHED, META_DIR, RunManifest
 from unbroken.manifest import is_run_dir as manifest_exists
 from unbroken.manifest import load as load_manifest
+from unbroken.session import is_dataset_builder
 from unbroken.storage import Storage
 
 log = logging.getLogger("unbroken")
@@ -205,10 +206,10 @@ def identity_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def check_identity(manifest: RunManifest, trainer_class: type, init_args: dict, path: str) -> None:
     """Auto-resume guard: raise IdentityMismatchError with the diff and the two ways out."""
-    now = identity(trainer_class, init_args)
-    if fingerprint(now) == manifest.identity_fingerprint:
+    lines = identity_diff(manifest.identity, identity(trainer_class, init_args))
+    if not lines:
         return
-    diff = "\n".join(identity_diff(manifest.identity, now))
+    diff = "\n".join(lines)
     cls = trainer_class.__name__
     raise IdentityMismatchError(
         f"the run at {path!r} was started with a different configuration:\n{diff}\n"
@@ -231,7 +232,7 @@ def encode_trainer(trainer_class: type, init_args: dict[str, Any]) -> SavedTrain
     params, pickles, must_respecify = {}, {}, []
     for name, value in init_args.items():
         if name == DATASETS and value:
-            builders = {k: ds for k, ds in value.items() if _is_function(ds) or isinstance(ds, type)}
+            builders = {k: ds for k, ds in value.items() if is_dataset_builder(ds)}
             if len(builders) != len(value):
                 must_respecify.append(name)
                 continue
@@ -346,11 +347,11 @@ def default_name(trainer_class: type) -> str:
 
 def _is_fresh_dir(storage: Storage) -> bool:
     """Absent, empty, or holding only the metadata folder of a run that never wrote run.json."""
-    entries = storage.listdir()
+    entries = [e for e in storage.listdir() if e != PARAMS_JSON]
     if not entries:
         return True
-    return entries == [META_DIR] and not any(
-        e for e in storage.listdir(META_DIR) if e not in ("lease.json", "trainer.pkl"))
+    return entries == [META_DIR] and all(
+        e in ("lease.json", "trainer.pkl") or ".tmp-" in e for e in storage.listdir(META_DIR))
 
 
 def restore_hint(trainer_class: type, path: str) -> str:

@@ -29,7 +29,7 @@ class Result:
 
     @property
     def metrics_dataframe(self) -> Any:
-        """A pandas DataFrame with one row per training_iteration (built on first access)."""
+        """A pandas DataFrame with one row per training_iteration (built from `rows` on access)."""
         return history.to_dataframe(self.rows)
 
     @property

@@ -50,6 +50,10 @@ class Run:
         """Start a new attempt from the newest committed checkpoint; returns its marker."""
         self.lease.beat()
         resume = self.checkpoints.recover()
+        for earlier in self.manifest.attempts:
+            if earlier.status == mf.RUNNING:  # its driver died without recording an end
+                earlier.status = mf.ABORTED
+                earlier.error = earlier.error or "the driver stopped without recording an end (killed?)"
         if self.history._rows is None:
             self.history.open()
         self.attempt = Attempt(number=self.manifest.attempt_count + 1, started_at=time.time(),

@@ -10,6 +10,7 @@ message each way with no polling.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,9 +174,15 @@ class Session:
         return shard(self.datasets[name], self.info.world_rank, self.info.world_size)
 
 
+def is_dataset_builder(obj: Any) -> bool:
+    """A zero-argument function or class that builds a dataset (saved with the run, and called
+    in each worker) rather than a dataset itself (never saved)."""
+    return inspect.isfunction(obj) or isinstance(obj, type)
+
+
 def shard(dataset: Any, rank: int, world_size: int) -> Any:
     """This rank's part of a dataset: every world_size-th item starting at rank."""
-    if callable(dataset) and not hasattr(dataset, "__getitem__"):
+    if is_dataset_builder(dataset):
         dataset = dataset()
     indices = range(rank, len(dataset), world_size)
     if isinstance(dataset, (list, tuple)):

@@ -10,8 +10,8 @@ A dead worker is noticed at once: its process sentinel is in the same wait as th
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.connection
 import os
+import selectors
 import signal
 import sys
 from collections.abc import Callable
@@ -76,8 +76,7 @@ class LocalWorkerGroup:
         self.num_workers = num_workers
         self.procs: list[Any] = []
         self.conns: list[Any] = []
-        self._eof: set[int] = set()
-        self._finished: set[int] = set()
+        self._selector = selectors.DefaultSelector()
 
     def start(self, make_payload: Callable[[int, int, int], WorkerPayload]) -> None:
         """Start every worker; `make_payload(rank, local_rank, node_rank)` says what it runs."""
@@ -93,6 +92,8 @@ class LocalWorkerGroup:
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
+            self._selector.register(parent_end, selectors.EVENT_READ, ("message", rank))
+            self._selector.register(proc.sentinel, selectors.EVENT_READ, ("exit", rank))
 
     def send(self, rank: int, message: Any) -> None:
         try:
@@ -106,30 +107,28 @@ class LocalWorkerGroup:
         Raises WorkerDied for a worker that exited without saying it was done; messages a
         worker sent before dying (its error report) are returned first.
         """
-        conns = [c for r, c in enumerate(self.conns) if r not in self._eof]
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs) if r not in self._finished}
-        ready = mp.connection.wait(conns + list(sentinels), timeout)
-        out = []
-        for rank, conn in enumerate(self.conns):
-            if rank in self._eof or conn not in ready:
+        out, dead = [], []
+        for key, _ in self._selector.select(timeout):
+            kind, rank = key.data
+            if kind == "exit":
+                dead.append(rank)
                 continue
+            conn = self.conns[rank]
             try:
                 while conn.poll():
                     out.append((rank, conn.recv()))
             except (EOFError, OSError):
-                self._eof.add(rank)
+                self._selector.unregister(conn)
         if out:
             return out
-        for s in ready:
-            if s in sentinels:
-                proc = self.procs[sentinels[s]]
-                proc.join()
-                raise WorkerDied(sentinels[s], proc.exitcode)
+        for rank in dead:
+            self.procs[rank].join()
+            raise WorkerDied(rank, self.procs[rank].exitcode)
         return out
 
     def mark_finished(self, rank: int) -> None:
         """A worker said it is done: its exit is expected from now on."""
-        self._finished.add(rank)
+        self._selector.unregister(self.procs[rank].sentinel)
 
     def shutdown(self, kill: bool = False) -> None:
         """Wait for the workers to exit (or SIGKILL them) and close the pipes."""
@@ -143,4 +142,5 @@ class LocalWorkerGroup:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        self._selector.close()
         self.procs, self.conns = [], []

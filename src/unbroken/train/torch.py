@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch._dynamo  # noqa: F401  DDP imports it on first use (~2 s); workers forked later inherit it
+import torch  # noqa: F401  (imported before the engine forks workers, so they inherit it)
 
 from unbroken.checkpoint import Checkpoint
 from unbroken.config import RunConfig, ScalingConfig
