@@ -201,3 +201,11 @@ def test_result_from_path_reads_a_finished_run(storage):
     assert again.metrics == result.metrics
     assert again.checkpoint == result.checkpoint
     assert list(again.metrics_dataframe["training_iteration"]) == [1, 2, 3]
+
+
+def test_ray_engine_is_refused_before_anything_is_written(storage):
+    trainer = DataParallelTrainer(simple_loop, scaling_config=ScalingConfig(engine="ray"),
+                                  run_config=RunConfig(name="ray", storage_path=storage))
+    with pytest.raises(NotImplementedError, match="engine='local'"):
+        trainer.fit()
+    assert not os.path.exists(os.path.join(storage, "ray"))

@@ -8,8 +8,9 @@ import os
 from unbroken.config import ScalingConfig
 
 
-def make_worker_group(scaling: ScalingConfig):
-    """The worker group for `scaling.engine` ("auto": local unless a Ray cluster is configured)."""
+def resolve_engine(scaling: ScalingConfig) -> str:
+    """The engine `scaling.engine` means here ("auto": local unless a Ray cluster is configured);
+    raises for one this version cannot run."""
     engine = scaling.engine
     if engine == "auto":
         engine = "ray" if os.environ.get("RAY_ADDRESS") else "local"
@@ -17,6 +18,12 @@ def make_worker_group(scaling: ScalingConfig):
         raise NotImplementedError(
             "the Ray engine is not available in this version of unbroken. Hint: use "
             "ScalingConfig(engine='local'), or unset RAY_ADDRESS to run on this machine")
+    return engine
+
+
+def make_worker_group(scaling: ScalingConfig):
+    """The worker group that runs the workers for `scaling`."""
+    resolve_engine(scaling)
     from unbroken.engine.local import LocalWorkerGroup
 
     return LocalWorkerGroup(scaling.num_workers)
