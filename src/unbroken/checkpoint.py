@@ -12,7 +12,7 @@ from typing import Any
 
 import fsspec
 
-from unbroken.commit import MARKER, Marker, read_marker
+from unbroken.commit import MARKER
 from unbroken.storage import Storage
 
 METADATA = ".metadata.json"
@@ -90,11 +90,3 @@ class Checkpoint:
 
     def update_metadata(self, metadata: dict[str, Any]) -> None:
         self.set_metadata({**self.get_metadata(), **metadata})
-
-    def marker(self) -> Marker | None:
-        """The commit marker of a committed checkpoint (None for an uncommitted directory)."""
-        parent = Storage(self._storage.fs, self._storage.root.rsplit("/", 1)[0])
-        try:
-            return read_marker(parent, self._storage.root.rsplit("/", 1)[1])
-        except ValueError:
-            return None

@@ -210,6 +210,3 @@ def current(what: str) -> Session:
                            "trainer's fit(). Hint: call it from train_loop_per_worker")
     return _current
 
-
-def in_worker() -> bool:
-    return _current is not None

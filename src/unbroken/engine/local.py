@@ -70,8 +70,6 @@ class WorkerDied(Exception):
 class LocalWorkerGroup:
     """Worker processes on this machine, addressed by rank."""
 
-    node_count = 1
-
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self.procs: list[Any] = []
