@@ -272,7 +272,7 @@ def write_trainer(storage: Storage, manifest: RunManifest, saved: SavedTrainer) 
 
 
 # -- loading ------------------------------------------------------------------------------
-def resolve_class(manifest: RunManifest, requested: type, path: str) -> type:
+def resolve_class(storage: Storage, manifest: RunManifest, requested: type, path: str) -> type:
     """The class to rebuild: `requested` itself, or the saved subclass of it."""
     requested_name = qualified_name(requested)
     if requested_name == manifest.trainer_class:
@@ -283,15 +283,14 @@ def resolve_class(manifest: RunManifest, requested: type, path: str) -> type:
             f"the run at {path!r} was saved by {manifest.trainer_class}, which is not a "
             f"{requested.__name__}. Hint: use {saved}.restore({path!r}), or BaseTrainer.restore "
             "to get whatever class was saved")
-    return _load_saved_class(manifest, path)
+    return _load_saved_class(storage, manifest, path)
 
 
-def _load_saved_class(manifest: RunManifest, path: str) -> type:
+def _load_saved_class(storage: Storage, manifest: RunManifest, path: str) -> type:
     try:
         return import_by_name(manifest.trainer_class)
     except (ImportError, AttributeError):
         pass
-    storage = Storage.from_url(path)
     blobs = pickle.loads(storage.read_bytes(TRAINER_PKL))
     if _CLASS_ENTRY not in blobs:
         raise ValueError(f"the trainer class {manifest.trainer_class} saved in {path!r} cannot be "

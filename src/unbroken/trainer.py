@@ -85,7 +85,7 @@ class BaseTrainer:
         storage = Storage.from_url(path, getattr(run_config, "storage_filesystem", None))
         manifest = mf.load(storage)
         url = storage.url()
-        target = rs.resolve_class(manifest, cls, url)
+        target = rs.resolve_class(storage, manifest, cls, url)
         args = rs.load_init_args(storage, manifest, target, overrides, url)
         saved_config = args.get("run_config") or RunConfig()
         name = url.rstrip("/").rsplit("/", 1)[-1]
