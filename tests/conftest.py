@@ -36,9 +36,10 @@ def run_script(code: str, *args: str, check: bool = True, **env) -> subprocess.C
     return proc
 
 
-def start_script(code: str, *args: str, **env) -> subprocess.Popen:
+def start_script(code: str, *args: str, start_new_session: bool = False, **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-u", "-c", code, *args], env=driver_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=start_new_session)
 
 
 def read_until(proc: subprocess.Popen, needle: str) -> list[str]:

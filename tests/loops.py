@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import threading
 
 import torch
 
@@ -28,7 +29,8 @@ def linear_loop(config: dict) -> None:
     """A real DDP job: one SGD step per iteration, a checkpoint every `ckpt_every` iterations.
 
     Fault knobs (all optional): fail_at=(iteration, attempt) raises on rank 1;
-    kill_worker_at=(iteration, attempt) SIGKILLs rank 1; print progress lines with `echo`.
+    kill_worker_at=(iteration, attempt) SIGKILLs rank 1; hang_at=(iteration, attempt) blocks rank 1
+    forever; print progress lines with `echo`; on_request: also checkpoint when asked to.
     """
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -56,8 +58,12 @@ def linear_loop(config: dict) -> None:
                 with open(config["kill_marker"], "w") as f:
                     f.write(repr(__import__("time").time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        if tuple(config.get("hang_at") or ()) == (it, ctx.get_attempt()) and rank == world - 1:
+            threading.Event().wait()  # a stuck rank: the others block in the next allreduce
         metrics = {"loss": loss.item(), "it": it}
-        if it % config.get("ckpt_every", 2) == 0 and rank == 0:
+        # should_checkpoint() is true on every rank for the same report (asked on preemption).
+        asked = config.get("on_request") and ctx.should_checkpoint()
+        if (it % config.get("ckpt_every", 2) == 0 or asked) and rank == 0:
             with tempfile.TemporaryDirectory() as d:
                 torch.save({"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(),
                             "iteration": it}, os.path.join(d, "state.pt"))

@@ -35,10 +35,23 @@ class ScalingConfig:
 
 @dataclass
 class FailureConfig:
-    """How many times the worker group restarts after a failure within one fit() (-1: unlimited)."""
+    """How many times the worker group restarts after a failure within one fit() (-1: unlimited).
+
+    `hang_timeout_s`: when no rank has reported for this long (counted from the attempt's
+    start and from each report), the worker group is treated as hung (a deadlocked
+    collective, a rank stuck in I/O) and handled like a worker failure. None: wait forever.
+    """
 
     max_failures: int = 0
     fail_fast: bool = False
+    hang_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_failures, int) or self.max_failures < -1:
+            raise ValueError(f"FailureConfig.max_failures must be an int >= -1 (-1: unlimited), "
+                             f"got {self.max_failures!r}")
+        if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:
+            raise ValueError(f"FailureConfig.hang_timeout_s must be None or > 0, got {self.hang_timeout_s!r}")
 
 
 @dataclass

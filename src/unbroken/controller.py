@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import time
 from typing import Any
 
 import cloudpickle
@@ -22,8 +23,15 @@ from unbroken.config import RunConfig, ScalingConfig
 from unbroken.engine import make_worker_group
 from unbroken.engine.local import WorkerDied
 from unbroken.engine.worker import WorkerPayload
-from unbroken.errors import ReportMismatchError, TrainingFailedError, WorkerError
+from unbroken.errors import (
+    ReportMismatchError,
+    TrainingFailedError,
+    TrainingInterruptedError,
+    WorkerError,
+    WorkerHangError,
+)
 from unbroken.failure_policy import FailureDecision, FailurePolicy
+from unbroken.preemption import Interrupts
 from unbroken.run import Run
 from unbroken.session import WorkerInfo
 
@@ -35,9 +43,15 @@ POLL_S = 1.0
 class ControllerState(enum.Enum):
     STARTING = "STARTING"
     RUNNING = "RUNNING"
+    STOPPING = "STOPPING"  # preemption: waiting for the checkpoint the workers were asked for
     RESTARTING = "RESTARTING"
     FINISHED = "FINISHED"
+    INTERRUPTED = "INTERRUPTED"
     ERRORED = "ERRORED"
+
+
+class _StopNow(BaseException):
+    """A second signal: stop the workers without waiting for anything."""
 
 
 class Controller:
@@ -51,46 +65,75 @@ class Controller:
         self.restore_hint = restore_hint
         self.state = ControllerState.STARTING
         self.policy = FailurePolicy(self.run_config.failure_config)
+        self.interrupts = Interrupts()
+        self._asked_at: int | None = None  # the round whose reply asked for a checkpoint
+        self._preempted = False  # the workers were told to stop because of a signal
 
     def execute(self) -> None:
-        """Run attempts until one finishes; raise TrainingFailedError when the policy gives up."""
-        while True:
-            self.state = ControllerState.STARTING
-            resume = self.run.begin_attempt(self.scaling.num_workers)
-            attempt = self.run.attempt.number
-            if resume is not None:
-                log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
-            group = None
-            try:
-                group = make_worker_group(self.scaling)
-                group.start(functools.partial(self._payload, resume))
-                self.state = ControllerState.RUNNING
-                self._drive(group)
-            except BaseException as error:
-                if group is not None:
-                    group.shutdown(kill=True)
-                self.run.end_attempt(mf.ERRORED, error)
-                if not isinstance(error, Exception) or self.policy.decide(error) is FailureDecision.RAISE:
-                    self.state = ControllerState.ERRORED
-                    self.run.finish(mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
-                    if not isinstance(error, Exception):
-                        raise
-                    raise TrainingFailedError(
-                        f"training failed in attempt {attempt} of run {self.run.path!r}: "
-                        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
-                        f"The run and its checkpoints are kept. After fixing the cause, continue it with "
-                        f"{self.restore_hint}") from error
-                self.state = ControllerState.RESTARTING
-                log.warning("run %s: attempt %d failed (%s: %s); restarting the workers from the "
-                            "latest committed checkpoint (failure %d of %s)", self.run.path, attempt,
-                            type(error).__name__, str(error).splitlines()[0] if str(error) else "",
-                            self.policy.failures, self.run_config.failure_config.max_failures)
-                continue
-            group.shutdown()
-            self.run.end_attempt(mf.FINISHED)
-            self.run.finish(mf.FINISHED)
-            self.state = ControllerState.FINISHED
-            return
+        """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
+        and TrainingInterruptedError on SIGTERM/SIGINT."""
+        with self.interrupts:
+            while True:
+                if self.interrupts.count:
+                    self._interrupted()
+                if self._attempt():
+                    return
+
+    def _attempt(self) -> bool:
+        """One attempt: True when the run finished, False when the workers should restart."""
+        self.state = ControllerState.STARTING
+        resume = self.run.begin_attempt(self.scaling.num_workers)
+        attempt = self.run.attempt.number
+        if resume is not None:
+            log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
+        group = None
+        try:
+            group = make_worker_group(self.scaling)
+            group.watch(self.interrupts)
+            group.start(functools.partial(self._payload, resume))
+            self.state = ControllerState.RUNNING
+            self._drive(group)
+        except BaseException as error:
+            if group is not None:
+                group.shutdown(kill=True)
+            if self.state is ControllerState.INTERRUPTED:
+                self._interrupted()
+            self.run.end_attempt(mf.ERRORED, error)
+            if not isinstance(error, Exception) or self.policy.decide(error) is FailureDecision.RAISE:
+                self.state = ControllerState.ERRORED
+                self.run.finish(mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
+                if not isinstance(error, Exception):
+                    raise
+                raise TrainingFailedError(
+                    f"training failed in attempt {attempt} of run {self.run.path!r}: {_first_line(error)}\n"
+                    f"The run and its checkpoints are kept. After fixing the cause, continue it with "
+                    f"{self.restore_hint}") from error
+            self.state = ControllerState.RESTARTING
+            log.warning("run %s: attempt %d failed (%s); restarting the workers from the latest "
+                        "committed checkpoint (failure %d of %s)", self.run.path, attempt,
+                        _first_line(error), self.policy.failures,
+                        self.run_config.failure_config.max_failures)
+            return False
+        group.shutdown()
+        if self._preempted:
+            self._interrupted()
+        self.run.end_attempt(mf.FINISHED)
+        self.run.finish(mf.FINISHED)
+        self.state = ControllerState.FINISHED
+        return True
+
+    def _interrupted(self) -> None:
+        """Close the attempt and the run as INTERRUPTED and raise with the restore hint."""
+        self.state = ControllerState.INTERRUPTED
+        if self.run.attempt is not None and self.run.attempt.ended_at is None:
+            self.run.end_attempt(mf.INTERRUPTED)
+        self.run.finish(mf.INTERRUPTED)
+        latest = self.run.checkpoints.latest
+        where = (f"its latest committed checkpoint is {latest.name} (iteration {latest.iteration})"
+                 if latest else "it has no committed checkpoint yet")
+        raise TrainingInterruptedError(
+            f"run {self.run.path!r} was interrupted by {self.interrupts.signal_name}; {where}.\n"
+            f"Continue it with {self.restore_hint}") from None
 
     def _payload(self, resume: Marker | None, rank: int, local_rank: int, node_rank: int) -> WorkerPayload:
         run, scaling = self.run, self.scaling
@@ -110,17 +153,42 @@ class Controller:
         return WorkerPayload(info=info, trainer=self.trainer)
 
     def _drive(self, group: Any) -> None:
-        """Process worker messages until every worker is done; raise on any failure."""
+        """Process worker messages until every worker is done; raise on any failure.
+
+        Leaves the state STOPPING when the workers stopped for a preemption, and
+        INTERRUPTED (with the workers still running) on a second signal.
+        """
         n = self.scaling.num_workers
         pending: dict[int, dict[int, tuple[dict, list | None]]] = {}
         reported = [0] * n
         done: dict[int, int] = {}
+        signals = 0
+        hang_s = self.run_config.failure_config.hang_timeout_s
+        last_progress = time.monotonic()
         while len(done) < n:
             self.run.lease.beat()
+            if self.interrupts.count > signals:
+                signals = self.interrupts.count
+                if signals > 1 or self.state is ControllerState.STOPPING:
+                    log.warning("run %s: %s again: stopping the workers now", self.run.path,
+                                self.interrupts.signal_name)
+                    self.state = ControllerState.INTERRUPTED
+                    raise _StopNow
+                self.state = ControllerState.STOPPING
+                log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
+                            "(send it again to stop at once)", self.run.path, self.interrupts.signal_name)
+            timeout = POLL_S
+            if hang_s is not None:
+                timeout = max(0.0, min(POLL_S, last_progress + hang_s - time.monotonic()))
             try:
-                messages = group.poll(POLL_S)
+                messages = group.poll(timeout)
             except WorkerDied as e:
                 raise WorkerError(str(e), rank=e.rank) from None
+            now = time.monotonic()
+            if messages:
+                last_progress = now
+            elif hang_s is not None and now - last_progress >= hang_s:
+                raise _hang_error(hang_s, reported, pending, done)
             for rank, message in messages:
                 kind = message[0]
                 if kind == "report":
@@ -153,13 +221,44 @@ class Controller:
         row = self.run.record(iteration, metrics, checkpoint_name(iteration) if files else None)
         if files:
             self.run.commit_checkpoint(iteration, files, row)
-        stop = _stop_met(self.run_config.stop, row)
-        reply = ("reply", {"stop": stop, "checkpoint": False})
+        flags = {"stop": _stop_met(self.run_config.stop, row), "checkpoint": False}
+        if self.state is ControllerState.STOPPING:
+            if self._asked_at is None:
+                self._asked_at = iteration
+                flags["checkpoint"] = True
+            else:
+                flags["stop"] = self._preempted = True
+                if not files:
+                    latest = self.run.checkpoints.latest
+                    log.warning("run %s: the training loop did not attach a checkpoint to report %d when "
+                                "asked (train.get_context().should_checkpoint() was true); a restore "
+                                "resumes from %s", self.run.path, iteration,
+                                latest.name if latest else "the start")
+        reply = ("reply", flags)
         for rank in sorted(by_rank):
             group.send(rank, reply)
         if self.run_config.verbose >= 2:
             log.info("run %s: %s", self.run.manifest.name,
                      {k: v for k, v in row.items() if k not in ("timestamp",)})
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _hang_error(hang_s: float, reported: list[int], pending: dict, done: dict) -> WorkerHangError:
+    if pending:
+        iteration = min(pending)
+        waiting = sorted(set(range(len(reported))) - set(pending[iteration]) - set(done))
+        what = (f"rank(s) {waiting} did not report iteration {iteration} within {hang_s:g} s, while "
+                f"rank(s) {sorted(pending[iteration])} did")
+    else:
+        what = f"no worker reported within {hang_s:g} s (reports so far: {reported})"
+    return WorkerHangError(
+        f"the worker group looks hung: {what}. Hint: look for a collective or barrier that only some "
+        "ranks reach; if an iteration legitimately takes longer, raise FailureConfig(hang_timeout_s=...)",
+        rank=None)
 
 
 def _stop_met(stop: Any, row: dict) -> bool:

@@ -11,6 +11,10 @@ class TrainingFailedError(UnbrokenError, RuntimeError):
     """fit() could not finish; the run is kept on storage and can be restored."""
 
 
+class TrainingInterruptedError(TrainingFailedError):
+    """fit() stopped on SIGTERM/SIGINT after committing a checkpoint; the run can be restored."""
+
+
 class WorkerError(UnbrokenError, RuntimeError):
     """A worker process raised or died. Carries the remote traceback as text."""
 
@@ -22,6 +26,10 @@ class WorkerError(UnbrokenError, RuntimeError):
     def __str__(self) -> str:
         base = super().__str__()
         return f"{base}\n{self.traceback_text}" if self.traceback_text else base
+
+
+class WorkerHangError(WorkerError):
+    """No rank reported within FailureConfig.hang_timeout_s (a deadlocked collective, a stuck rank)."""
 
 
 class RunNotFoundError(UnbrokenError, FileNotFoundError):

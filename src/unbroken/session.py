@@ -150,11 +150,16 @@ class Session:
                                  "directory and pass Checkpoint.from_directory(it)")
             staging = staging_name(iteration, self.info.attempt, self.info.storage)
             files = write_rank_files(self.info.storage, staging, checkpoint.path, self.info.world_rank)
+        asked = bool(self._flags.get("checkpoint"))
         self.conn.send(("report", iteration, metrics, files))
         self.iteration = iteration
         self.reports += 1
         self._awaiting_reply = True
         self._flags = {}
+        if asked:
+            # The driver asked for this checkpoint (preemption): take its verdict now, so that a
+            # stop ends the loop right after the commit instead of after one more iteration.
+            self._take_reply()
 
     def finish(self) -> None:
         """Wait for the driver to have processed the last report, then say we are done."""

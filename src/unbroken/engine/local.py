@@ -93,6 +93,10 @@ class LocalWorkerGroup:
             self._selector.register(parent_end, selectors.EVENT_READ, ("message", rank))
             self._selector.register(proc.sentinel, selectors.EVENT_READ, ("exit", rank))
 
+    def watch(self, source: Any) -> None:
+        """Also wake `poll` when `source` (anything with fileno() and drain()) becomes readable."""
+        self._selector.register(source, selectors.EVENT_READ, ("wake", source))
+
     def send(self, rank: int, message: Any) -> None:
         try:
             self.conns[rank].send(message)
@@ -107,16 +111,18 @@ class LocalWorkerGroup:
         """
         out, dead = [], []
         for key, _ in self._selector.select(timeout):
-            kind, rank = key.data
-            if kind == "exit":
-                dead.append(rank)
-                continue
-            conn = self.conns[rank]
-            try:
-                while conn.poll():
-                    out.append((rank, conn.recv()))
-            except (EOFError, OSError):
-                self._selector.unregister(conn)
+            kind, what = key.data
+            if kind == "wake":
+                what.drain()
+            elif kind == "exit":
+                dead.append(what)
+            else:
+                conn = self.conns[what]
+                try:
+                    while conn.poll():
+                        out.append((what, conn.recv()))
+                except (EOFError, OSError):
+                    self._selector.unregister(conn)
         if out:
             return out
         for rank in dead:

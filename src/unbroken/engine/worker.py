@@ -37,6 +37,8 @@ class Pickled:
 
 
 def _unpickle(data: bytes) -> Pickled:
+    # Unpickled only in a worker started by a forkserver: ignore terminal signals from here on.
+    _ignore_terminal_signals()
     return Pickled(cloudpickle.loads(data))
 
 
@@ -54,10 +56,14 @@ def _die_with_parent(parent_pid: int | None) -> None:
         os._exit(1)
 
 
-def _set_up_process(info: WorkerInfo, parent_pid: int | None) -> None:
+def _ignore_terminal_signals() -> None:
     # The driver coordinates shutdown; a Ctrl-C in the terminal must not kill workers mid-write.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _set_up_process(info: WorkerInfo, parent_pid: int | None) -> None:
+    _ignore_terminal_signals()
     _die_with_parent(parent_pid)
     os.environ.update(info.env)
     os.environ.update(RANK=str(info.world_rank), WORLD_SIZE=str(info.world_size),
