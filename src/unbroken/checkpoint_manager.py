@@ -10,7 +10,7 @@ from typing import Any
 from unbroken import commit
 from unbroken.commit import FileEntry, Marker
 from unbroken.config import CheckpointConfig
-from unbroken.errors import TornCheckpointError
+from unbroken.errors import CorruptRunError, TornCheckpointError
 from unbroken.storage import Storage
 
 log = logging.getLogger("unbroken")
@@ -28,42 +28,55 @@ class CheckpointManager:
         """Find the newest checkpoint that verifies and return its marker.
 
         Torn or corrupted newer checkpoints are set aside (renamed `*.corrupt-N`, never
-        deleted) with a warning naming them; uncommitted leftovers are removed.
+        deleted) with a warning naming them; uncommitted leftovers are removed. When the run
+        has checkpoints but none verifies, raise CorruptRunError and change nothing: starting
+        over from iteration 0 is for the user to decide, not a silent fallback.
         """
         names, leftovers = commit.scan(self.storage)
         for name in leftovers:
             self.storage.remove(name)
-        self.committed = []
         latest: Marker | None = None
+        bad: list[tuple[str, TornCheckpointError]] = []
         for name in reversed(names):
-            if latest is None:
-                try:
-                    latest = commit.verify(self.storage, name, full_verify)
-                except TornCheckpointError as e:
-                    self._quarantine(name, e)
-                    continue
-                self.committed.append(latest)
-            else:
-                try:
-                    self.committed.append(commit.read_marker(self.storage, name))
-                except TornCheckpointError as e:
-                    self._quarantine(name, e)
-        self.committed.reverse()
+            try:
+                latest = commit.verify(self.storage, name, full_verify)
+                break
+            except TornCheckpointError as e:
+                bad.append((name, e))
+        damaged = [(name, e) for name, e in bad if not self._uncommitted_upload(name)]
+        if latest is None and damaged:
+            details = "; ".join(str(e) for _, e in damaged)
+            raise CorruptRunError(
+                f"no checkpoint of run {self.storage.url()!r} verifies ({details}); nothing was changed. "
+                "Hint: `unbroken verify PATH` shows each file; restore the damaged checkpoint from a "
+                "backup, or move it out of the run directory to let the run start over from the "
+                "newest checkpoint that remains (or from the beginning)")
+        for name, e in bad:
+            self._set_aside(name, e)
+        self.committed = [latest] if latest else []
+        for name in reversed(names[: names.index(latest.name)] if latest else []):
+            try:
+                self.committed.insert(0, commit.read_marker(self.storage, name))
+            except TornCheckpointError as e:
+                self._set_aside(name, e)
         return latest
 
-    def _quarantine(self, name: str, reason: Exception) -> None:
+    def _uncommitted_upload(self, name: str) -> bool:
+        """An unmarked directory on an object store is an upload that never committed."""
+        return not self.storage.is_local and not self.storage.exists(f"{name}/{commit.MARKER}")
+
+    def _set_aside(self, name: str, reason: Exception) -> None:
+        if self._uncommitted_upload(name):
+            log.warning("removing uncommitted checkpoint directory %s (%s)", self.storage.url(name), reason)
+            self.storage.remove(name)
+            return
         n = 0
         while self.storage.exists(f"{name}.corrupt-{n}"):
             n += 1
         aside = f"{name}.corrupt-{n}"
-        # An unmarked directory on an object store is an upload that never committed.
-        if self.storage.is_local or self.storage.exists(f"{name}/{commit.MARKER}"):
-            log.warning("checkpoint %s is torn or corrupted (%s); skipping it and resuming from the "
-                        "previous one. It is kept as %s", self.storage.url(name), reason, aside)
-            self.storage.rename(name, aside)
-        else:
-            log.warning("removing uncommitted checkpoint directory %s (%s)", self.storage.url(name), reason)
-            self.storage.remove(name)
+        log.warning("checkpoint %s is torn or corrupted (%s); skipping it and resuming from the "
+                    "previous one. It is kept as %s", self.storage.url(name), reason, aside)
+        self.storage.rename(name, aside)
 
     @property
     def latest(self) -> Marker | None:

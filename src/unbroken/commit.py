@@ -124,6 +124,7 @@ def commit(storage: Storage, staging: str, marker: Marker) -> None:
     storage.write_atomic(f"{staging}/{MARKER}", marker.to_bytes())
     faults.point("after_marker")
     if staging != marker.name:
+        faults.point("before_rename")
         storage.rename(staging, marker.name)
         faults.point("after_rename")
 

@@ -38,6 +38,8 @@ from unbroken.session import WorkerInfo
 log = logging.getLogger("unbroken")
 
 POLL_S = 1.0
+# How long a rank's error waits for a peer's death to show, which would be the root cause.
+ROOT_CAUSE_WAIT_S = 0.2
 
 
 class ControllerState(enum.Enum):
@@ -73,11 +75,14 @@ class Controller:
         """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
         and TrainingInterruptedError on SIGTERM/SIGINT."""
         with self.interrupts:
-            while True:
-                if self.interrupts.count:
-                    self._interrupted()
-                if self._attempt():
-                    return
+            try:
+                while True:
+                    if self.interrupts.count:
+                        self._interrupted()
+                    if self._attempt():
+                        return
+            finally:
+                self.run.lease.release()  # also when an attempt could not even begin
 
     def _attempt(self) -> bool:
         """One attempt: True when the run finished, False when the workers should restart."""
@@ -206,7 +211,11 @@ class Controller:
                     group.mark_finished(rank)
                 elif kind == "error":
                     _, text, blob = message
-                    raise _worker_exception(rank, text, blob)
+                    error = _worker_exception(rank, text, blob)
+                    for killed in group.killed_by_signal(ROOT_CAUSE_WAIT_S):
+                        raise WorkerError(f"{killed}; then rank {rank} failed with {_first_line(error)}",
+                                          rank=killed.rank) from error
+                    raise error
             if done and (max(reported) > min(done.values()) or
                          (len(done) == n and len(set(done.values())) > 1)):
                 counts = ", ".join(f"rank {r}: {c}" for r, c in enumerate(reported))

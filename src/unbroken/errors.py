@@ -52,6 +52,18 @@ class IdentityMismatchError(UnbrokenError, ValueError):
     """The run's identity (trainer class, train_loop_config, dataset names) differs from the saved run."""
 
 
+class RestoreArgumentError(UnbrokenError, ValueError):
+    """A saved constructor argument cannot be loaded, or must be re-specified and was not."""
+
+
+class UnknownOverrideError(UnbrokenError, TypeError):
+    """restore() got an argument the trainer's constructor does not take."""
+
+
+class UnsavableArgumentError(UnbrokenError, TypeError):
+    """A constructor argument can be neither saved as JSON nor pickled, so the run could not be restored."""
+
+
 class TrainerClassMismatchError(UnbrokenError, TypeError):
     """restore() was called on a class unrelated to the one that saved the run."""
 
@@ -72,5 +84,18 @@ class CheckpointConflictError(UnbrokenError, ValueError):
     """Two ranks attached different files under the same name to one checkpoint."""
 
 
+class MetricsNotSerializableError(UnbrokenError, TypeError):
+    """train.report got a metric value that cannot be recorded as JSON."""
+
+
 class ReportMismatchError(UnbrokenError, RuntimeError):
     """train.report was called a different number of times on different ranks."""
+
+
+class StateMismatchError(UnbrokenError, ValueError):
+    """A checkpoint does not fit what it is restored into: it was not written by TrainState,
+    or it holds different objects, or a data order for a different dataset size or seed."""
+
+
+class UnknownMetricError(UnbrokenError, ValueError):
+    """A metric name was asked for that the run never recorded."""

@@ -1,19 +1,34 @@
 """Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>]` SIGKILLs this process
-the n-th time (default: first) it passes `point`. Costs one dict lookup when unset."""
+the n-th time (default: first) it passes `point`. With `UNBROKEN_FAULT_LOG=<file>` it
+first appends the point's name and pid to that file, so a harness can tell an injected
+kill from a real failure. Costs one environment lookup when unset.
+
+The points, in protocol order: after_file_write, after_fsync (worker, per rank);
+before_marker, after_marker, before_rename, after_rename (driver, commit);
+before_delete, during_delete (driver, retention); before_replace (any atomic file
+replace: run.json, result rows, lease).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 
-_SPEC = os.environ.get("UNBROKEN_FAULT", "")
-_POINT, _, _N = _SPEC.partition(":")
 _count = 0
 
 
 def point(name: str) -> None:
+    spec = os.environ.get("UNBROKEN_FAULT")
+    if not spec:
+        return
+    target, _, n = spec.partition(":")
+    if name != target:
+        return
     global _count
-    if _POINT and name == _POINT:
-        _count += 1
-        if _count >= int(_N or 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+    _count += 1
+    if _count >= int(n or 1):
+        log = os.environ.get("UNBROKEN_FAULT_LOG")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{name} {os.getpid()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)

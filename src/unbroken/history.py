@@ -16,6 +16,7 @@ import math
 import os
 from typing import Any
 
+from unbroken.errors import MetricsNotSerializableError
 from unbroken.storage import Storage
 
 log = logging.getLogger("unbroken")
@@ -34,7 +35,7 @@ def check_json_metrics(metrics: Any) -> None:
         try:
             json.dumps(value, allow_nan=True)
         except (TypeError, ValueError):
-            raise TypeError(
+            raise MetricsNotSerializableError(
                 f"metric {key!r} = {value!r} ({type(value).__name__}) is not JSON-serializable. "
                 "Hint: report plain numbers, e.g. loss.item() instead of a tensor") from None
 
@@ -57,7 +58,9 @@ class History:
         """Load existing rows, then open result.json for appending."""
         self._rows = read_rows(self.storage)
         if self.storage.is_local:
-            self._file = open(self.storage.path(RESULT_JSON), "a", encoding="utf-8")
+            self._file = open(self.storage.path(RESULT_JSON), "a+b")
+            _drop_torn_tail(self._file)
+            self._file = io.TextIOWrapper(self._file, encoding="utf-8", write_through=True)
         else:
             self._file = io.StringIO()
 
@@ -88,6 +91,21 @@ class History:
     @property
     def rows(self) -> list[dict]:
         return list(self._rows or [])
+
+
+def _drop_torn_tail(f: Any) -> None:
+    """Cut a last line that a killed writer left without its newline, so appends start clean."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return
+    f.seek(max(0, end - 65536))
+    tail = f.read()
+    if tail.endswith(b"\n"):
+        return
+    cut = tail.rfind(b"\n")
+    if cut < 0 and end > len(tail):
+        return  # a single line longer than the window: leave it to read_rows to skip
+    f.truncate(end - len(tail) + cut + 1)
 
 
 def read_rows(storage: Storage) -> list[dict]:

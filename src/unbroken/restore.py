@@ -24,7 +24,15 @@ from typing import Any
 import cloudpickle
 
 from unbroken.engine import resolve_engine
-from unbroken.errors import IdentityMismatchError, RunExistsError, RunNotFoundError, TrainerClassMismatchError
+from unbroken.errors import (
+    IdentityMismatchError,
+    RestoreArgumentError,
+    RunExistsError,
+    RunNotFoundError,
+    TrainerClassMismatchError,
+    UnknownOverrideError,
+    UnsavableArgumentError,
+)
 from unbroken.lease import Lease
 from unbroken.manifest import FINISHED, META_DIR, RunManifest
 from unbroken.manifest import is_run_dir as manifest_exists
@@ -138,8 +146,8 @@ def bind_init_args(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
         value = bound.arguments.get(p.name)
         if p.kind is p.VAR_POSITIONAL:
             if value:
-                raise TypeError(f"{cls.__name__}: *{p.name} arguments cannot be saved for restore; "
-                                "pass them by keyword")
+                raise UnsavableArgumentError(
+                    f"{cls.__name__}: *{p.name} arguments cannot be saved for restore; pass them by keyword")
         elif p.kind is p.VAR_KEYWORD:
             out.update(value or {})
         else:
@@ -244,7 +252,7 @@ def encode_trainer(trainer_class: type, init_args: dict[str, Any]) -> SavedTrain
             try:
                 pickles[name] = cloudpickle.dumps(value)
             except Exception as e:
-                raise TypeError(
+                raise UnsavableArgumentError(
                     f"argument {name!r} of {trainer_class.__name__} cannot be saved for restore "
                     f"({type(e).__name__}: {e}). The local engine must save every argument so the run "
                     f"can be restored. Hint: pass something picklable, or build the object inside "
@@ -293,7 +301,7 @@ def _load_saved_class(storage: Storage, manifest: RunManifest, path: str) -> typ
         pass
     blobs = pickle.loads(storage.read_bytes(TRAINER_PKL))
     if _CLASS_ENTRY not in blobs:
-        raise ValueError(f"the trainer class {manifest.trainer_class} saved in {path!r} cannot be "
+        raise RestoreArgumentError(f"the trainer class {manifest.trainer_class} saved in {path!r} cannot be "
                          "imported. Hint: make its module importable (PYTHONPATH), or call "
                          "restore on the class itself")
     return cloudpickle.loads(blobs[_CLASS_ENTRY])
@@ -306,8 +314,8 @@ def load_init_args(storage: Storage, manifest: RunManifest, cls: type, overrides
                    | set(init_param_names(cls)))
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
-        raise TypeError(f"{cls.__name__}.restore() got unknown argument(s) {', '.join(unknown)}; "
-                        f"the arguments that can be re-specified are: {', '.join(valid)}")
+        raise UnknownOverrideError(f"{cls.__name__}.restore() got unknown argument(s) {', '.join(unknown)}; "
+                        f"Hint: the arguments that can be re-specified are: {', '.join(valid)}")
     args: dict[str, Any] = {}
     for name, value in manifest.params.items():
         if name not in overrides:
@@ -319,7 +327,7 @@ def load_init_args(storage: Storage, manifest: RunManifest, cls: type, overrides
             try:
                 args[name] = cloudpickle.loads(blobs[name])
             except Exception as e:
-                raise ValueError(
+                raise RestoreArgumentError(
                     f"argument {name!r} saved with the run at {path!r} can no longer be loaded "
                     f"({type(e).__name__}: {e}). Hint: re-specify it: "
                     f"{cls.__name__}.restore({path!r}, {name}=...)") from None
@@ -327,17 +335,28 @@ def load_init_args(storage: Storage, manifest: RunManifest, cls: type, overrides
         if name not in overrides:
             keys = ", ".join(f"{k!r}: ..." for k in manifest.dataset_names) if name == DATASETS else ""
             example = f"{{{keys}}}" if name == DATASETS else "..."
-            raise ValueError(f"argument {name!r} was not saved with the run at {path!r} and must be "
-                             f"re-specified. Hint: {cls.__name__}.restore({path!r}, {name}={example})")
+            raise RestoreArgumentError(
+                f"argument {name!r} was not saved with the run at {path!r} and must be re-specified. "
+                f"Hint: {cls.__name__}.restore({path!r}, {name}={example})")
     if DATASETS in overrides and manifest.dataset_names:
         given = sorted(overrides[DATASETS] or {})
         if given != manifest.dataset_names:
-            raise ValueError(f"datasets must be re-specified with the same keys as the saved run: "
+            raise RestoreArgumentError(f"datasets must be re-specified with the same keys as the saved run: "
                              f"saved {manifest.dataset_names}, given {given}. Hint: "
                              f"{cls.__name__}.restore({path!r}, datasets={{...}}) with keys "
                              f"{manifest.dataset_names}")
     args.update(overrides)
     return args
+
+
+def load_saved_arg(storage: Storage, manifest: RunManifest, name: str) -> Any:
+    """One saved constructor argument, decoded or unpickled on its own (None if it was not
+    saved), e.g. the run_config that `unbroken resume --max-failures` amends."""
+    if name in manifest.params:
+        return decode(manifest.params[name])
+    if name in manifest.pickled_params:
+        return cloudpickle.loads(pickle.loads(storage.read_bytes(TRAINER_PKL))[name])
+    return None
 
 
 # -- fit(): create, auto-resume or continue a run -------------------------------------------
@@ -346,8 +365,8 @@ def default_name(trainer_class: type) -> str:
 
 
 def _is_fresh_dir(storage: Storage) -> bool:
-    """Absent, empty, or holding only the metadata folder of a run that never wrote run.json."""
-    entries = [e for e in storage.listdir() if e != PARAMS_JSON]
+    """Absent, empty, or holding only what a first fit() writes before run.json (it was killed)."""
+    entries = [e for e in storage.listdir() if e != PARAMS_JSON and ".tmp-" not in e]
     if not entries:
         return True
     return entries == [META_DIR] and all(

@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 import zlib
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from unbroken import faults
 from unbroken.errors import StorageError
+
+_ATOMIC_TEMP = re.compile(r"\.tmp-(\d+)$")
 
 _CHUNK = 8 << 20
 
@@ -116,7 +120,7 @@ class Storage:
     def makedirs(self, rel: str = "") -> None:
         try:
             self.fs.makedirs(self.path(rel), exist_ok=True)
-        except PermissionError as e:
+        except OSError as e:  # no permission, read-only filesystem, a file in the way
             raise StorageError(f"cannot write to storage {self.url(rel)!r}: {e}. "
                                "Hint: choose a storage_path you can write to") from None
 
@@ -132,8 +136,9 @@ class Storage:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            faults.point("before_replace")
             os.replace(tmp, path)
-        except PermissionError as e:
+        except OSError as e:
             raise StorageError(f"cannot write {path!r}: {e}. "
                                "Hint: choose a storage_path you can write to") from None
         _fsync_dir(os.path.dirname(path))
@@ -189,6 +194,17 @@ class Storage:
                 self.fs.rm_file(path)
         except FileNotFoundError:
             pass
+
+    def remove_stale_temps(self, rel: str = "") -> None:
+        """Remove the temp files of atomic writes that another process left behind in `rel`
+        (it was killed between writing and renaming). Only safe while holding the run's lease."""
+        if not self.is_local:
+            return  # object stores replace files in one put: no temp files
+        for name in self.listdir(rel):
+            m = _ATOMIC_TEMP.search(name)
+            full = os.path.join(self.path(rel), name)
+            if m and int(m.group(1)) != os.getpid() and os.path.isfile(full):
+                os.remove(full)
 
     def walk_files(self, rel: str = "") -> list[str]:
         """Every file below `rel`, as paths relative to it."""

@@ -10,6 +10,7 @@ A dead worker is noticed at once: its process sentinel is in the same wait as th
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import selectors
 import signal
@@ -129,6 +130,16 @@ class LocalWorkerGroup:
             self.procs[rank].join()
             raise WorkerDied(rank, self.procs[rank].exitcode)
         return out
+
+    def killed_by_signal(self, wait_s: float) -> list[WorkerDied]:
+        """Workers that died by a signal, waiting up to `wait_s` for one to go. When a rank
+        reports an error, a peer killed at the same moment (OOM, SIGKILL) is the root cause:
+        the reporting rank's error is usually just the broken connection to it."""
+        alive = [p for p in self.procs if p.exitcode is None]
+        if alive:
+            mp.connection.wait([p.sentinel for p in alive], timeout=wait_s)
+        return [WorkerDied(rank, p.exitcode) for rank, p in enumerate(self.procs)
+                if p.exitcode is not None and p.exitcode < 0]
 
     def mark_finished(self, rank: int) -> None:
         """A worker said it is done: its exit is expected from now on."""

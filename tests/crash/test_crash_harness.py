@@ -1,0 +1,36 @@
+"""The crash harness (tools/crash_harness.py) as a test: random SIGKILLs of the driver and of
+workers, and kills at every step of the commit protocol, then restores until each run finishes.
+The harness checks the invariants itself and lists every violation."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HARNESS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "crash_harness.py")
+
+
+def run_harness(trials: int) -> dict:
+    proc = subprocess.run([sys.executable, HARNESS, "--trials", str(trials), "--json"],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode in (0, 1), proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check(report: dict, trials: int) -> None:
+    where = f"crash harness seed {report['seed']}"
+    assert report["violations"] == [], f"{where}: {report['violations']}"
+    assert report["trials"] == trials, where
+    assert report["restores"] >= trials // 2, where
+    assert report.get("kills inside commit", 0) >= 1, where
+
+
+def test_random_kills_never_lose_or_tear_anything():
+    check(run_harness(20), 20)
+
+
+@pytest.mark.slow
+def test_random_kills_soak():
+    check(run_harness(200), 200)

@@ -1,0 +1,370 @@
+"""Crash harness: kill real training runs at random moments and check that nothing breaks.
+
+Each trial starts a real 2-worker TorchTrainer job (gloo, DDP, a checkpoint every other
+iteration from both ranks, retention keeping two). Each launch of its driver is one of:
+SIGKILL the driver at a uniformly random moment, SIGKILL one worker at a random moment,
+or a fault-injection point (`unbroken.faults`) that SIGKILLs a process at one step of the
+commit protocol (file writes, fsync, marker, rename, retention, atomic replaces). Then the
+run is restored (by `TorchTrainer.restore(path)` or by running the same trainer again
+under its name), again and again, until it finishes.
+
+Invariants checked at every launch and at the end of each trial:
+  - a restore never fails for any reason but the kill we injected;
+  - every attempt resumes from the newest committed checkpoint as it was on disk before
+    the launch, and what the loop loads is intact (its own hash matches);
+  - nothing under a committed checkpoint name is ever torn;
+  - no leftovers (staging, half-deleted, quarantined dirs, atomic-write temps) at the end;
+  - the metric timeline has each iteration exactly once, and its losses equal the
+    uninterrupted run's, bit for bit;
+  - the final model equals the uninterrupted run's, bit for bit.
+
+Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json]
+Exit status 0 when no invariant was violated, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401  (DDP imports it; forked drivers and workers inherit it)
+
+from unbroken import commit, train
+from unbroken.errors import TornCheckpointError, TrainingFailedError
+from unbroken.history import read_rows, timeline
+from unbroken.storage import Storage
+from unbroken.train import Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer, prepare_model
+
+ITERATIONS = 16
+CKPT_EVERY = 2
+WORKER_POINTS = ("after_file_write", "after_fsync")
+COMMIT_POINTS = ("before_marker", "after_marker", "before_rename", "after_rename")
+RETENTION_POINTS = ("before_delete", "during_delete")
+OTHER_POINTS = ("before_replace",)
+MAX_KILLS = 4
+
+# Lease takeovers after each kill are expected here; keep the output to the counts.
+logging.getLogger("unbroken").setLevel(logging.ERROR)
+
+
+# -- the job ---------------------------------------------------------------------------------
+def crash_loop(config: dict) -> None:
+    """A DDP regression whose checkpoints carry their own hash; logs what each attempt loads."""
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model = prepare_model(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    inner = model.module if hasattr(model, "module") else model
+    start = 0
+    checkpoint = train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            blob = open(os.path.join(d, "state.pt"), "rb").read()
+            meta = json.load(open(os.path.join(d, "meta.json")))
+            intact = hashlib.sha256(blob).hexdigest() == meta["sha256"] and all(
+                json.load(open(os.path.join(d, f"rank{r}.json")))["iteration"] == meta["iteration"]
+                for r in range(world))
+        if rank == 0:
+            with open(config["log"], "a") as f:
+                f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": os.path.basename(
+                    checkpoint.path.rstrip("/")), "iteration": meta["iteration"], "intact": intact}) + "\n")
+        if not intact:
+            raise RuntimeError("a torn checkpoint was handed to the training loop")
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        inner.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = meta["iteration"]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 16, generator=g)
+    y = torch.sin(x.sum(dim=1, keepdim=True))
+    x, y = x[rank::world], y[rank::world]
+    for it in range(start + 1, config["iterations"] + 1):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if it % config["every"]:
+            train.report({"loss": loss.item()})
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, f"rank{rank}.json"), "w") as f:
+                json.dump({"iteration": it}, f)
+            if rank == 0:
+                buf = io.BytesIO()
+                torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict()}, buf)
+                with open(os.path.join(d, "state.pt"), "wb") as f:
+                    f.write(buf.getvalue())
+                with open(os.path.join(d, "meta.json"), "w") as f:
+                    json.dump({"iteration": it, "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}, f)
+            train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d))
+
+
+def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
+    return TorchTrainer(
+        crash_loop, train_loop_config={"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=storage, verbose=0,
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             failure_config=FailureConfig(max_failures=0)))
+
+
+def _driver(storage: str, name: str, log: str, how: str, fault: str | None, fault_log: str,
+            outcome: str) -> None:
+    """One launch of the driver (a forked child of the harness, as a fresh script would be)."""
+    os.environ.pop("UNBROKEN_FAULT", None)
+    if fault:
+        os.environ.update(UNBROKEN_FAULT=fault, UNBROKEN_FAULT_LOG=fault_log)
+    path = os.path.join(storage, name)
+    try:
+        trainer = TorchTrainer.restore(path) if how == "restore" else make_trainer(storage, name, log)
+        trainer.fit()
+        result = "finished"
+    except TrainingFailedError as e:
+        cause = e.__cause__
+        result = f"failed {type(cause).__name__}: {str(cause).splitlines()[0] if cause else e}"
+    except BaseException as e:  # noqa: BLE001 - any other error is a finding
+        result = f"error {type(e).__name__}: {e}"
+    with open(outcome, "w") as f:
+        f.write(result)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# -- checks ------------------------------------------------------------------------------------
+def newest_committed(path: str, violations: list[str]) -> str | None:
+    """The newest checkpoint whose marker verifies, read-only; a torn one under a committed
+    name is itself a violation (the protocol must never expose one)."""
+    storage = Storage.from_url(path)
+    if not storage.exists():
+        return None
+    names, _ = commit.scan(storage)
+    newest = None
+    for name in names:
+        try:
+            commit.verify(storage, name, full=True)
+            newest = name
+        except TornCheckpointError as e:
+            violations.append(f"torn checkpoint under a committed name: {e}")
+    return newest
+
+
+def leftovers(path: str) -> list[str]:
+    found = [n for n in os.listdir(path) if any(t in n for t in (".tmp-", ".del-", ".corrupt-"))]
+    meta = os.path.join(path, ".unbroken")
+    found += [f".unbroken/{n}" for n in os.listdir(meta) if ".tmp-" in n]
+    return found
+
+
+def read_log(log: str) -> list[dict]:
+    if not os.path.exists(log):
+        return []
+    return [json.loads(line) for line in open(log) if line.strip()]
+
+
+class Harness:
+    def __init__(self, seed: int, workdir: str) -> None:
+        self.rng = random.Random(seed)
+        self.workdir = workdir
+        self.ctx = mp.get_context("fork")
+        self.counts: Counter[str] = Counter()
+        self.violations: list[str] = []
+        self.reference_losses: list[float] = []
+        self.reference_weights: dict[str, torch.Tensor] = {}
+        self.duration = 1.0
+
+    def launch(self, storage: str, name: str, log: str, how: str, fault: str | None) -> tuple[Any, str]:
+        outcome = os.path.join(self.workdir, "outcome")
+        if os.path.exists(outcome):
+            os.remove(outcome)
+        proc = self.ctx.Process(target=_driver, args=(storage, name, log, how, fault,
+                                                      os.path.join(self.workdir, "faults"), outcome))
+        proc.start()
+        return proc, outcome
+
+    def reference(self) -> None:
+        storage = os.path.join(self.workdir, "reference")
+        t0 = time.monotonic()
+        proc, outcome = self.launch(storage, "run", os.path.join(self.workdir, "ref.log"), "fresh", None)
+        proc.join()
+        self.duration = time.monotonic() - t0
+        if open(outcome).read() != "finished":
+            raise SystemExit(f"the uninterrupted reference run failed: {open(outcome).read()}")
+        result = Result.from_path(os.path.join(storage, "run"))
+        self.reference_losses = [row["loss"] for row in _timeline(result.path)]
+        self.reference_weights = self.final_weights(result)
+
+    @staticmethod
+    def final_weights(result: Result) -> dict[str, torch.Tensor]:
+        with result.checkpoint.as_directory() as d:
+            return torch.load(os.path.join(d, "state.pt"), weights_only=True)["model"]
+
+    def choose(self, kills: int) -> tuple[str, str | None, float | None]:
+        """(kind, fault spec, kill delay) for the next launch."""
+        if kills >= MAX_KILLS:
+            return "none", None, None
+        r = self.rng.random()
+        if r < 0.15:
+            return "worker-fault", f"{self.rng.choice(WORKER_POINTS)}:{self.rng.randint(1, 6)}", None
+        if r < 0.40:
+            return "commit-fault", f"{self.rng.choice(COMMIT_POINTS)}:{self.rng.randint(1, 6)}", None
+        if r < 0.50:
+            return "retention-fault", f"{self.rng.choice(RETENTION_POINTS)}:{self.rng.randint(1, 4)}", None
+        if r < 0.55:
+            return "replace-fault", f"{self.rng.choice(OTHER_POINTS)}:{self.rng.randint(1, 12)}", None
+        delay = self.rng.uniform(0, self.duration)
+        return ("kill-driver" if r < 0.80 else "kill-worker"), None, delay
+
+    def trial(self, index: int) -> None:
+        storage = os.path.join(self.workdir, f"trial-{index}")
+        name, log = "run", os.path.join(self.workdir, f"trial-{index}.log")
+        path = os.path.join(storage, name)
+        kills = 0
+        for launch in range(MAX_KILLS + 3):
+            before = newest_committed(path, self.violations)
+            attempts_before = _attempt_count(path)
+            exists = TorchTrainer.can_restore(path)
+            how = self.rng.choice(["restore", "rerun"]) if exists else "fresh"
+            kind, fault, delay = self.choose(kills)
+            if exists:
+                self.counts["restores"] += 1
+            fault_log = os.path.join(self.workdir, "faults")
+            if os.path.exists(fault_log):
+                os.remove(fault_log)
+            proc, outcome = self.launch(storage, name, log, how, fault)
+            self.counts["launches"] += 1
+            proc.join(delay)
+            if proc.is_alive():
+                victim = proc.pid
+                if kind == "kill-worker":
+                    workers = _children(proc.pid)
+                    victim = self.rng.choice(workers) if workers else proc.pid
+                    self.counts["kills: worker" if workers else "kills: driver"] += 1
+                else:
+                    self.counts["kills: driver"] += 1
+                os.kill(victim, signal.SIGKILL)
+                kills += 1
+            proc.join()
+            injected = open(fault_log).read().split()[0] if os.path.exists(fault_log) else None
+            if injected:
+                kills += 1
+                self.counts[f"kills at {injected}"] += 1
+                if injected in COMMIT_POINTS + RETENTION_POINTS + WORKER_POINTS:
+                    self.counts["kills inside commit"] += 1
+            result = open(outcome).read() if os.path.exists(outcome) else "killed"
+            self.check_launch(path, log, before, attempts_before, result, injected, index, launch)
+            if result == "finished":
+                self.check_finished(path, index)
+                return
+        self.violations.append(f"trial {index}: the run did not finish after {MAX_KILLS + 3} launches")
+
+    def check_launch(self, path: str, log: str, before: str | None, attempts_before: int, result: str,
+                     injected: str | None, trial: int, launch: int) -> None:
+        where = f"trial {trial} launch {launch}"
+        if result.startswith("error"):
+            self.violations.append(f"{where}: restore failed: {result}")
+        elif result.startswith("failed") and not injected and "SIGKILL" not in result:
+            self.violations.append(f"{where}: the run failed without an injected fault: {result}")
+        if not os.path.exists(os.path.join(path, ".unbroken", "run.json")):
+            return
+        manifest = json.load(open(os.path.join(path, ".unbroken", "run.json")))
+        for attempt in manifest["attempts"][attempts_before:]:
+            if attempt["resumed_from"] != before:
+                self.violations.append(f"{where}: attempt {attempt['number']} resumed from "
+                                       f"{attempt['resumed_from']}, the newest committed was {before}")
+        for entry in read_log(log):
+            if entry["attempt"] > attempts_before and (entry["loaded"] != before or not entry["intact"]):
+                self.violations.append(f"{where}: the loop loaded {entry} (expected {before}, intact)")
+
+    def check_finished(self, path: str, trial: int) -> None:
+        self.counts["trials"] += 1
+        where = f"trial {trial}"
+        left = leftovers(path)
+        if left:
+            self.violations.append(f"{where}: leftovers after the run finished: {left}")
+        result = Result.from_path(path)
+        rows = _timeline(path)
+        iterations = [row["training_iteration"] for row in rows]
+        if iterations != list(range(1, ITERATIONS + 1)):
+            self.violations.append(f"{where}: timeline is {iterations}")
+        elif [row["loss"] for row in rows] != self.reference_losses:
+            self.violations.append(f"{where}: losses differ from the uninterrupted run")
+        weights = self.final_weights(result)
+        if weights.keys() != self.reference_weights.keys() or not all(
+                torch.equal(weights[k], self.reference_weights[k]) for k in weights):
+            self.violations.append(f"{where}: final weights differ from the uninterrupted run")
+        if json.load(open(os.path.join(path, ".unbroken", "run.json")))["status"] != "FINISHED":
+            self.violations.append(f"{where}: run.json does not say FINISHED")
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _timeline(path: str) -> list[dict]:
+    # Not Result.metrics_dataframe: pandas starts threads, and this process forks drivers.
+    return timeline(read_rows(Storage.from_url(path)))
+
+
+def _attempt_count(path: str) -> int:
+    try:
+        return len(json.load(open(os.path.join(path, ".unbroken", "run.json")))["attempts"])
+    except (OSError, ValueError):
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir:
+        harness = Harness(seed, workdir)
+        harness.reference()
+        for i in range(args.trials):
+            seen = len(harness.violations)
+            harness.trial(i)
+            if not args.json:
+                for v in harness.violations[seen:]:
+                    print("\nVIOLATION:", v)
+                print(f"\rtrial {i + 1}/{args.trials}, violations: {len(harness.violations)}",
+                      end="", flush=True)
+    counts = dict(sorted(harness.counts.items()))
+    report = {"seed": seed, "seconds": round(time.monotonic() - started, 1), **counts,
+              "violations": harness.violations}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print()
+        width = max(len(k) for k in report)
+        for key, value in report.items():
+            shown = len(value) if key == "violations" else value
+            print(f"{key:<{width}}  {shown}")
+    return 1 if harness.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
