@@ -41,20 +41,22 @@ def manifest(path: str) -> dict:
     return json.load(open(os.path.join(path, ".unbroken", "run.json")))
 
 
-@pytest.mark.parametrize("how", ["sigterm-driver", "sigint-process-group"])
+@pytest.mark.parametrize("how", ["sigterm-driver", "sigint-process-group",
+                                 "sigterm-process-group-forkserver"])
 def test_signal_checkpoints_stops_and_restores_without_losing_iterations(storage, how):
     name = f"preempted-{how}"
     path = os.path.join(storage, name)
-    driver = start_script(DRIVER, storage, name, json.dumps(CONFIG), start_new_session=True)
+    method = {"UNBROKEN_START_METHOD": "forkserver"} if how.endswith("forkserver") else {}
+    driver = start_script(DRIVER, storage, name, json.dumps(CONFIG), start_new_session=True, **method)
     read_until(driver, "REPORTED 4")
     if how == "sigterm-driver":
         driver.send_signal(signal.SIGTERM)
-    else:  # Ctrl-C in a terminal: the whole foreground process group gets SIGINT
-        os.killpg(driver.pid, signal.SIGINT)
+    else:  # Ctrl-C in a terminal, or a scheduler's preemption: the whole process group gets it
+        os.killpg(driver.pid, signal.SIGINT if how.startswith("sigint") else signal.SIGTERM)
     _, err = driver.communicate(timeout=60)
     assert driver.returncode != 0
     assert "TrainingInterruptedError" in err and "TorchTrainer.restore(" in err, err
-    assert ("SIGTERM" if how == "sigterm-driver" else "SIGINT") in err
+    assert how.split("-")[0].upper() in err
 
     run = manifest(path)
     assert run["status"] == "INTERRUPTED"

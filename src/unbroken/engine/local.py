@@ -52,8 +52,8 @@ def start_method() -> str:
 def _context(method: str) -> Any:
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload([m for m in ("torch", "unbroken.engine.worker") if m in sys.modules
-                                    or m == "unbroken.engine.worker"])
+        preload = ["torch"] if "torch" in sys.modules else []
+        ctx.set_forkserver_preload([*preload, "unbroken.engine.forkserver_init", "unbroken.engine.worker"])
     return ctx
 
 
