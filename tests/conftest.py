@@ -51,3 +51,54 @@ def read_until(proc: subprocess.Popen, needle: str) -> list[str]:
             return lines
     raise AssertionError(f"driver ended before printing {needle!r}:\n{''.join(lines)}\n"
                          f"{proc.stderr.read()}")
+
+
+def _start(args: list[str], ready: str) -> tuple[subprocess.Popen, str]:
+    """Start a helper process and wait for its `ready` line; returns (process, rest of that line)."""
+    proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=driver_env())
+    line = proc.stdout.readline()
+    if not line.startswith(ready):
+        proc.kill()
+        raise RuntimeError(f"{args[0]} did not start: {line!r}")
+    return proc, line.split()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-compatible server (moto) on loopback for the whole session, with a bucket."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    proc, port = _start([os.path.join(TESTS, "s3_server.py")], "S3 ")
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS).create_bucket(Bucket="bucket")
+    yield endpoint
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+S3_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+                  "region_name": "us-east-1"}
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The usual AWS environment variables, pointing at `endpoint`."""
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+
+
+@pytest.fixture
+def faulty_proxy(s3_endpoint):
+    """A proxy in front of the S3 server that refuses connections on command."""
+    proc, port = _start([os.path.join(TESTS, "faulty_proxy.py"), s3_endpoint.rsplit(":", 1)[1]], "PROXY ")
+
+    def refuse(seconds: float) -> None:
+        proc.stdin.write(f"refuse {seconds}\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "OK"
+
+    yield f"http://127.0.0.1:{port}", refuse
+    proc.stdin.close()
+    proc.wait(timeout=30)

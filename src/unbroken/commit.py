@@ -82,19 +82,28 @@ def staging_name(iteration: int, attempt: int, storage: Storage) -> str:
 
 
 def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) -> list[FileEntry]:
-    """Copy one rank's checkpoint directory into the staging area (worker side)."""
-    entries, dirs = [], set()
+    """Copy one rank's checkpoint directory into the staging area (worker side).
+
+    Each rank uploads its own files, concurrently on object stores: the driver never
+    carries checkpoint bytes."""
+    pairs = []
     for dirpath, _, filenames in os.walk(local_dir):
         for fn in sorted(filenames):
             src = os.path.join(dirpath, fn)
             rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
-            if rel == MARKER:
-                continue
-            size, crc = storage.put_file(src, f"{staging}/{rel}")
-            entries.append(FileEntry(rel, size, crc, rank))
-            dirs.add(posixpath.dirname(f"{staging}/{rel}"))
-            faults.point("after_file_write")
+            if rel != MARKER:
+                pairs.append((src, rel))
     if storage.is_local:
+        sums = []
+        for src, rel in pairs:
+            sums.append(storage.put_file(src, f"{staging}/{rel}"))
+            faults.point("after_file_write")
+    else:
+        sums = storage.put_files([(src, f"{staging}/{rel}") for src, rel in pairs])
+        faults.point("after_file_write")
+    entries = [FileEntry(rel, size, crc, rank) for (_, rel), (size, crc) in zip(pairs, sums, strict=True)]
+    if storage.is_local:
+        dirs = {posixpath.dirname(f"{staging}/{rel}") for _, rel in pairs}
         storage.makedirs(staging)
         for d in sorted(dirs | {staging}, reverse=True):
             storage.fsync_dir(d)

@@ -12,6 +12,7 @@ import enum
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -24,7 +25,9 @@ from unbroken.engine import make_worker_group
 from unbroken.engine.local import WorkerDied
 from unbroken.engine.worker import WorkerPayload
 from unbroken.errors import (
+    LeaseLostError,
     ReportMismatchError,
+    StorageError,
     TrainingFailedError,
     TrainingInterruptedError,
     WorkerError,
@@ -82,7 +85,7 @@ class Controller:
                     if self._attempt():
                         return
             finally:
-                self.run.lease.release()  # also when an attempt could not even begin
+                self._record(self.run.lease.release)  # also when an attempt could not even begin
 
     def _attempt(self) -> bool:
         """One attempt: True when the run finished, False when the workers should restart."""
@@ -101,12 +104,14 @@ class Controller:
         except BaseException as error:
             if group is not None:
                 group.shutdown(kill=True)
+            if isinstance(error, LeaseLostError):
+                raise  # the run belongs to another driver now: write nothing more to it
             if self.state is ControllerState.INTERRUPTED:
                 self._interrupted()
-            self.run.end_attempt(mf.ERRORED, error)
+            self._record(self.run.end_attempt, mf.ERRORED, error)
             if not isinstance(error, Exception) or self.policy.decide(error) is FailureDecision.RAISE:
                 self.state = ControllerState.ERRORED
-                self.run.finish(mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
+                self._record(self.run.finish, mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
                 if not isinstance(error, Exception):
                     raise
                 raise TrainingFailedError(
@@ -126,6 +131,14 @@ class Controller:
         self.run.finish(mf.FINISHED)
         self.state = ControllerState.FINISHED
         return True
+
+    def _record(self, step: Callable[..., None], *args: Any) -> None:
+        """Write to the run directory on the way out, unless storage itself is what failed."""
+        try:
+            step(*args)
+        except StorageError as e:
+            log.error("run %s: could not record the failure (%s); the next attempt marks it",
+                      self.run.path, e)
 
     def _interrupted(self) -> None:
         """Close the attempt and the run as INTERRUPTED and raise with the restore hint."""

@@ -72,6 +72,10 @@ class LeaseHeldError(UnbrokenError, RuntimeError):
     """Another live driver holds the run."""
 
 
+class LeaseLostError(LeaseHeldError):
+    """Another driver took this run over (this driver's heartbeat was stale); this one stops."""
+
+
 class StorageError(UnbrokenError, OSError):
     """Storage is missing a filesystem package or cannot be written."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from unbroken.config import FailureConfig
-from unbroken.errors import CheckpointConflictError, ReportMismatchError
+from unbroken.errors import CheckpointConflictError, LeaseLostError, ReportMismatchError
 
 
 class FailureDecision(enum.Enum):
@@ -14,7 +14,7 @@ class FailureDecision(enum.Enum):
 
 
 # Failures that a restart would only repeat.
-_NOT_RETRYABLE = (ReportMismatchError, CheckpointConflictError)
+_NOT_RETRYABLE = (ReportMismatchError, CheckpointConflictError, LeaseLostError)
 
 
 class FailurePolicy:

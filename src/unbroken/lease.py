@@ -14,9 +14,9 @@ import socket
 import time
 import uuid
 
-from unbroken.errors import LeaseHeldError
+from unbroken.errors import LeaseHeldError, LeaseLostError
 from unbroken.manifest import META_DIR
-from unbroken.storage import Storage
+from unbroken.storage import CREATE, PreconditionFailed, Storage
 
 log = logging.getLogger("unbroken")
 
@@ -46,7 +46,13 @@ def _holder_alive(holder: dict) -> bool:
 
 
 class Lease:
-    """The lease this driver holds on one run directory."""
+    """The lease this driver holds on one run directory.
+
+    On object stores every write of the lease is conditional (create-if-absent, then
+    replace-if-unchanged), so of two drivers racing for a run exactly one wins, and a driver
+    whose lease was taken over finds out at its next heartbeat and stops. On local and NFS
+    storage the lease is written atomically and read back.
+    """
 
     HEARTBEAT_EVERY_S = 2.0
 
@@ -54,6 +60,7 @@ class Lease:
         self.storage = storage
         self.token = uuid.uuid4().hex
         self._last_beat = 0.0
+        self._version: str | None = None  # the object version our last write produced
 
     def _record(self) -> dict:
         pid = os.getpid()
@@ -61,13 +68,22 @@ class Lease:
                 "process_start": _process_start(pid), "heartbeat": time.time(), "ttl_s": _ttl()}
 
     def current_holder(self) -> dict | None:
+        return self._read()[0]
+
+    def _read(self) -> tuple[dict | None, str | None]:
+        """(holder record, its version); an unreadable record counts as no holder."""
         try:
-            return json.loads(self.storage.read_bytes(LEASE_JSON))
-        except (FileNotFoundError, ValueError):
-            return None
+            data, version = self.storage.read_versioned(LEASE_JSON)
+        except FileNotFoundError:
+            return None, None
+        try:
+            holder = json.loads(data)
+        except ValueError:
+            return None, version
+        return (holder if isinstance(holder, dict) else None), version
 
     def acquire(self) -> None:
-        holder = self.current_holder()
+        holder, version = self._read()
         if holder and holder.get("token") != self.token:
             if _holder_alive(holder):
                 raise LeaseHeldError(
@@ -77,21 +93,51 @@ class Lease:
                     "to finish or stop it; a lease whose driver died is taken over automatically")
             log.warning("taking over the lease on %s from pid %s on %s, which is no longer alive",
                         self.storage.url(), holder.get("pid"), holder.get("host"))
-        self.beat(force=True)
-        # Two drivers racing for a free lease: the one whose write landed last wins.
+        try:
+            self._write(CREATE if version is None else version)
+        except PreconditionFailed:
+            raise self._raced() from None
+        # Without conditional writes, two drivers racing for a free lease: the last write wins.
         holder = self.current_holder()
         if holder is None or holder.get("token") != self.token:
-            raise LeaseHeldError(f"run {self.storage.url()!r} was claimed by another driver at the "
-                                 "same moment. Hint: run one driver per run")
+            raise self._raced()
+
+    def _raced(self) -> LeaseHeldError:
+        return LeaseHeldError(f"run {self.storage.url()!r} was claimed by another driver at the "
+                              "same moment. Hint: run one driver per run")
+
+    def _write(self, expect: str | None) -> None:
+        self._version = self.storage.write_conditional(LEASE_JSON, json.dumps(self._record()).encode(),
+                                                       expect)
+        self._last_beat = time.monotonic()
 
     def beat(self, force: bool = False) -> None:
-        """Refresh the heartbeat; cheap to call often (writes at most every HEARTBEAT_EVERY_S)."""
-        now = time.monotonic()
-        if force or now - self._last_beat >= self.HEARTBEAT_EVERY_S:
-            self.storage.write_atomic(LEASE_JSON, json.dumps(self._record()).encode())
-            self._last_beat = now
+        """Refresh the heartbeat; cheap to call often (writes at most every HEARTBEAT_EVERY_S).
+
+        Raises LeaseLostError when another driver took the run over meanwhile."""
+        if force or time.monotonic() - self._last_beat >= self.HEARTBEAT_EVERY_S:
+            try:
+                self._write(self._version)
+            except PreconditionFailed:
+                holder = self.current_holder() or {}
+                raise LeaseLostError(
+                    f"run {self.storage.url()!r} was taken over by another driver (pid "
+                    f"{holder.get('pid')} on {holder.get('host')}) because this driver's heartbeat "
+                    f"was older than {_ttl():g} s; this driver stops writing to it. Hint: keep one "
+                    "driver per run, and raise UNBROKEN_LEASE_TTL_S if heartbeats can stall that "
+                    "long") from None
 
     def release(self) -> None:
         holder = self.current_holder()
         if holder and holder.get("token") == self.token:
             self.storage.remove(LEASE_JSON)
+
+
+def live_holder(storage: Storage) -> dict | None:
+    """The lease record of the driver that holds the run now, or None if no live driver does.
+    Only reads."""
+    try:
+        holder = json.loads(storage.read_bytes(LEASE_JSON))
+    except (FileNotFoundError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) and _holder_alive(holder) else None

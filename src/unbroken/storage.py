@@ -7,12 +7,16 @@ replacements are atomic renames; on object stores a single put is atomic by itse
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
+import time
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -20,13 +24,59 @@ from fsspec.implementations.local import LocalFileSystem
 from unbroken import faults
 from unbroken.errors import StorageError
 
+log = logging.getLogger("unbroken")
+T = TypeVar("T")
+
 _ATOMIC_TEMP = re.compile(r"\.tmp-(\d+)$")
+# How long an object-store operation is retried through transient faults before the run fails.
+RETRY_ENV = "UNBROKEN_STORAGE_RETRY_S"
+DEFAULT_RETRY_S = 120.0
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+              StorageError)
+_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure")
 
 _CHUNK = 8 << 20
 
 # fsspec protocol -> the package that provides it, for the "not installed" hint.
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
              "abfs": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko"}
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost: the object was created or changed by someone else."""
+
+
+CREATE = "<create>"  # write_conditional(expect=CREATE): only if the object does not exist yet
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    return "precondition" in str(e).lower().replace("-", "")
+
+
+def _not_implemented(e: BaseException) -> bool:
+    return "notimplemented" in str(e).lower().replace(" ", "")
+
+
+def _transient(e: BaseException) -> bool:
+    """Worth retrying: a network or server fault, not an answer (missing, denied, conflict)."""
+    if isinstance(e, _PERMANENT) or _precondition_failed(e) or _not_implemented(e):
+        return False
+    if isinstance(e, (OSError, TimeoutError, ConnectionError)):
+        return True
+    return type(e).__module__.split(".")[0] in _NETWORK_MODULES
+
+
+def retry_budget_s() -> float:
+    return float(os.environ.get(RETRY_ENV, DEFAULT_RETRY_S))
+
+
+def _local_sum(path: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
 
 
 def _fsync_dir(path: str) -> None:
@@ -79,12 +129,47 @@ class Storage:
     def child(self, rel: str) -> Storage:
         return Storage(self.fs, self.path(rel))
 
+    # -- retries --------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one remote operation, retrying transient faults with backoff for up to
+        UNBROKEN_STORAGE_RETRY_S seconds. Local filesystems are called once."""
+        if self.is_local:
+            return fn()
+        deadline, delay = None, 0.2
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                if not _transient(e):
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + retry_budget_s()
+                    log.warning("storage %s: %s failed (%s: %s); retrying with backoff for up to %g s",
+                                self.url(), what, type(e).__name__, e, retry_budget_s())
+                if now + delay > deadline:
+                    raise StorageError(
+                        f"storage {self.url()!r} kept failing for {retry_budget_s():g} s while {what}: "
+                        f"{type(e).__name__}: {e}. Hint: check the endpoint, credentials and network; "
+                        f"committed checkpoints are intact and restore() continues the run once storage "
+                        f"is back ({RETRY_ENV} sets how long to retry)") from e
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self.fs.invalidate_cache()
+
+    def _fresh(self, rel: str) -> str:
+        """The path of `rel`, with any cached listing dropped (other processes write too)."""
+        path = self.path(rel)
+        if not self.is_local:
+            self.fs.invalidate_cache(path)
+        return path
+
     # -- queries --------------------------------------------------------------------
     def exists(self, rel: str = "") -> bool:
-        return self.fs.exists(self.path(rel))
+        return self._call(f"checking {rel or '.'}", lambda: self.fs.exists(self._fresh(rel)))
 
     def isdir(self, rel: str = "") -> bool:
-        return self.fs.isdir(self.path(rel))
+        return self._call(f"checking {rel or '.'}", lambda: self.fs.isdir(self._fresh(rel)))
 
     def listdir(self, rel: str = "") -> list[str]:
         """Names directly under `rel`, or [] if it does not exist."""
@@ -94,32 +179,47 @@ class Storage:
             except (FileNotFoundError, NotADirectoryError):
                 return []
         try:
-            entries = self.fs.ls(self.path(rel), detail=False, refresh=True)
+            entries = self._call(f"listing {rel or '.'}",
+                                 lambda: self.fs.ls(self._fresh(rel), detail=False, refresh=True))
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     def size(self, rel: str) -> int:
-        return int(self.fs.size(self.path(rel)))
+        return int(self._call(f"reading {rel}", lambda: self.fs.size(self._fresh(rel))))
 
     # -- reading --------------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        return self._call(f"reading {rel}", lambda: self.fs.cat_file(self.path(rel)))
+
+    def read_versioned(self, rel: str) -> tuple[bytes, str | None]:
+        """The bytes of `rel` and a version tag for write_conditional (None on local storage)."""
+        if self.is_local:
+            return self.read_bytes(rel), None
+        for _ in range(3):  # read and version must belong to the same write
+            data = self.read_bytes(rel)
+            etag = str(self._call(f"reading {rel}", lambda: self.fs.info(self._fresh(rel)))["ETag"])
+            if etag.strip('"') == hashlib.md5(data).hexdigest():
+                break
+        return data, etag
 
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
 
     def crc32(self, rel: str) -> int:
-        crc = 0
-        with self.fs.open(self.path(rel), "rb") as f:
-            while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        return crc
+        def read() -> int:
+            crc = 0
+            with self.fs.open(self.path(rel), "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+            return crc
+
+        return self._call(f"reading {rel}", read)
 
     # -- writing --------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
         try:
-            self.fs.makedirs(self.path(rel), exist_ok=True)
+            self._call(f"creating {rel or '.'}", lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
         except OSError as e:  # no permission, read-only filesystem, a file in the way
             raise StorageError(f"cannot write to storage {self.url(rel)!r}: {e}. "
                                "Hint: choose a storage_path you can write to") from None
@@ -128,7 +228,7 @@ class Storage:
         """Replace `rel` with `data` so that readers see the old or the new bytes, never a mix."""
         path = self.path(rel)
         if not self.is_local:
-            self.fs.pipe_file(path, data)
+            self._call(f"writing {rel}", lambda: self.fs.pipe_file(path, data))
             return
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
@@ -143,34 +243,64 @@ class Storage:
                                "Hint: choose a storage_path you can write to") from None
         _fsync_dir(os.path.dirname(path))
 
+    def write_conditional(self, rel: str, data: bytes, expect: str | None) -> str | None:
+        """Write `rel` only if it is still at version `expect` (CREATE: only if absent) and
+        return the new version; raise PreconditionFailed otherwise. Object stores that support
+        conditional writes make this race-free; local storage writes atomically and returns None
+        (callers read back to detect a race)."""
+        if self.is_local or expect is None:
+            self.write_atomic(rel, data)
+            return None
+        condition = {"mode": "create"} if expect == CREATE else {"IfMatch": expect}
+        try:
+            out = self._call(f"writing {rel}", lambda: self.fs.pipe_file(self.path(rel), data, **condition))
+        except (FileExistsError, OSError) as e:
+            if isinstance(e, FileExistsError) or _precondition_failed(e):
+                raise PreconditionFailed(str(e)) from None
+            if not _not_implemented(e):
+                raise
+            log.warning("storage %s does not support conditional writes; %s is written without "
+                        "them (one driver per run is then checked by reading back)", self.url(), rel)
+            self.write_atomic(rel, data)
+            return None
+        return str((out or {}).get("ETag")) if isinstance(out, dict) and out.get("ETag") else None
+
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_atomic(rel, json.dumps(obj, indent=1, sort_keys=True, default=repr).encode())
 
     def put_file(self, local_src: str, rel: str) -> tuple[int, int]:
         """Copy a local file to `rel`, durably; returns its (size, crc32)."""
+        if not self.is_local:
+            return self.put_files([(local_src, rel)])[0]
         path = self.path(rel)
         crc, size = 0, 0
-        with open(local_src, "rb") as src:
-            if self.is_local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                dst_cm = open(path, "wb")
-            else:
-                dst_cm = self.fs.open(path, "wb")
-            with dst_cm as dst:
-                buf = bytearray(_CHUNK)
-                view = memoryview(buf)
-                while n := src.readinto(buf):
-                    crc = zlib.crc32(view[:n], crc)
-                    dst.write(view[:n])
-                    size += n
-                if self.is_local:
-                    dst.flush()
-                    os.fsync(dst.fileno())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(local_src, "rb") as src, open(path, "wb") as dst:
+            buf = bytearray(_CHUNK)
+            view = memoryview(buf)
+            while n := src.readinto(buf):
+                crc = zlib.crc32(view[:n], crc)
+                dst.write(view[:n])
+                size += n
+            dst.flush()
+            os.fsync(dst.fileno())
         return size, crc
+
+    def put_files(self, pairs: list[tuple[str, str]]) -> list[tuple[int, int]]:
+        """Copy local files to (relative) destinations; returns each one's (size, crc32).
+        On object stores the uploads run concurrently (the filesystem's own batching)."""
+        if self.is_local:
+            return [self.put_file(src, rel) for src, rel in pairs]
+        sums = [_local_sum(src) for src, _ in pairs]
+        if pairs:
+            sources, targets = [src for src, _ in pairs], [self.path(rel) for _, rel in pairs]
+            self._call(f"uploading {len(pairs)} file(s) to {posixpath.dirname(pairs[0][1])}",
+                       lambda: self.fs.put(sources, targets))
+        return sums
 
     def get_file(self, rel: str, local_dst: str) -> None:
         os.makedirs(os.path.dirname(local_dst) or ".", exist_ok=True)
-        self.fs.get_file(self.path(rel), local_dst)
+        self._call(f"downloading {rel}", lambda: self.fs.get_file(self.path(rel), local_dst))
 
     def rename(self, src_rel: str, dst_rel: str) -> None:
         """Rename a directory or file; atomic and durable on local filesystems."""
@@ -178,7 +308,8 @@ class Storage:
             os.rename(self.path(src_rel), self.path(dst_rel))
             _fsync_dir(os.path.dirname(self.path(dst_rel)))
         else:
-            self.fs.mv(self.path(src_rel), self.path(dst_rel), recursive=True)
+            self._call(f"renaming {src_rel}", lambda: self.fs.mv(self.path(src_rel), self.path(dst_rel),
+                                                                 recursive=True))
 
     def fsync_dir(self, rel: str = "") -> None:
         if self.is_local:
@@ -186,12 +317,16 @@ class Storage:
 
     def remove(self, rel: str) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""
-        path = self.path(rel)
-        try:
+        path = self._fresh(rel)
+
+        def remove() -> None:
             if self.fs.isdir(path):
                 self.fs.rm(path, recursive=True)
             else:
                 self.fs.rm_file(path)
+
+        try:
+            self._call(f"removing {rel}", remove)
         except FileNotFoundError:
             pass
 
@@ -209,5 +344,5 @@ class Storage:
     def walk_files(self, rel: str = "") -> list[str]:
         """Every file below `rel`, as paths relative to it."""
         base = self.path(rel).rstrip("/") + "/"
-        return sorted(p[len(base):] if p.startswith(base) else p
-                      for p in self.fs.find(self.path(rel)))
+        found = self._call(f"listing {rel or '.'}", lambda: self.fs.find(self._fresh(rel)))
+        return sorted(p[len(base):] if p.startswith(base) else p for p in found)

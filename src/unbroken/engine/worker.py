@@ -77,6 +77,10 @@ def worker_main(payload: Pickled, conn: Any, parent_pid: int | None) -> None:
     work: WorkerPayload = payload.obj
     info, trainer = work.info, work.trainer
     _set_up_process(info, parent_pid)
+    if not info.storage.is_local:
+        # An async filesystem (s3fs, gcsfs) inherited through fork is tied to the driver's event
+        # loop; a pickle round trip gives this process its own instance.
+        info.storage, info.checkpoint = cloudpickle.loads(cloudpickle.dumps((info.storage, info.checkpoint)))
     session = Session(info, conn, getattr(trainer, "datasets", None))
     session_mod.install(session)
     backend = trainer._backend()

@@ -1,0 +1,220 @@
+"""Runs on S3-compatible object storage (a real moto server on loopback, through s3fs).
+
+Every driver runs in its own process: the async filesystem starts an event-loop thread, and
+this test process forks workers for the other tests.
+"""
+
+import io
+import json
+import signal
+import uuid
+
+import boto3
+import pytest
+import torch
+
+from conftest import S3_CREDENTIALS, read_until, run_script, s3_env, start_script
+from loops import final_weights, linear_loop
+from unbroken.history import timeline
+from unbroken.train import RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+
+pytestmark = pytest.mark.usefixtures("s3_endpoint")
+
+DRIVER = """
+import json, sys
+from loops import linear_loop
+from unbroken.train import RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+storage, name, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+result = TorchTrainer(linear_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+                      run_config=RunConfig(name=name, storage_path=storage)).fit()
+print("DONE", result.metrics["training_iteration"], result.metrics["attempt"], flush=True)
+"""
+
+RESTORE = """
+import os, sys, tempfile
+from unbroken.train.torch import TorchTrainer
+url = sys.argv[1]
+assert TorchTrainer.can_restore(url), url
+result = TorchTrainer.restore(url).fit()
+print("DONE", result.metrics["training_iteration"], result.metrics["attempt"], flush=True)
+"""
+
+ITERATIONS = 10
+
+
+def prefix() -> str:
+    return f"s3://bucket/{uuid.uuid4().hex[:8]}"
+
+
+def keys(endpoint: str, url: str) -> list[str]:
+    bucket, _, key_prefix = url[len("s3://"):].partition("/")
+    client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix + "/")
+    return sorted(o["Key"][len(key_prefix) + 1:] for page in pages for o in page.get("Contents", []))
+
+
+def read(endpoint: str, url: str, rel: str) -> bytes:
+    bucket, _, key = url[len("s3://"):].partition("/")
+    client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
+    return client.get_object(Bucket=bucket, Key=f"{key}/{rel}")["Body"].read()
+
+
+def reference_weights(tmp_path) -> dict:
+    result = TorchTrainer(linear_loop, train_loop_config={"iterations": ITERATIONS, "ckpt_every": 2},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="reference", storage_path=str(tmp_path))).fit()
+    return final_weights(result)
+
+
+def fresh_machine(tmp_path, endpoint: str, name: str) -> dict:
+    """Environment of a new machine: nothing local survives, only the bucket."""
+    home = tmp_path / f"home-{name}"
+    home.mkdir()
+    return dict(s3_env(endpoint), HOME=str(home), TMPDIR=str(home), UNBROKEN_STORAGE=str(home / "nope"))
+
+
+def test_run_layout_on_s3_and_a_marker_less_upload_is_never_used(s3_endpoint, tmp_path):
+    storage, name = prefix(), "layout"
+    url = f"{storage}/{name}"
+    config = {"iterations": ITERATIONS, "ckpt_every": 2}
+    # The driver dies just before writing the marker of its third checkpoint (files uploaded).
+    out = run_script(DRIVER, storage, name, json.dumps(config), check=False,
+                     UNBROKEN_FAULT="before_marker:3", **s3_env(s3_endpoint))
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    stored = keys(s3_endpoint, url)
+    assert "checkpoint_000006/state.pt" in stored and "checkpoint_000006/.checkpoint.json" not in stored
+    assert "checkpoint_000004/.checkpoint.json" in stored
+
+    out = run_script(RESTORE, url, **s3_env(s3_endpoint))
+    assert f"DONE {ITERATIONS} 2" in out.stdout
+    run = json.loads(read(s3_endpoint, url, ".unbroken/run.json"))
+    assert run["attempts"][1]["resumed_from"] == "checkpoint_000004", "the unmarked upload was not used"
+    stored = keys(s3_endpoint, url)
+    for expected in (".unbroken/run.json", ".unbroken/run.prev.json", ".unbroken/trainer.pkl", "params.json",
+                     "result.json", "progress.csv", "checkpoint_000010/.checkpoint.json",
+                     "checkpoint_000010/state.pt"):
+        assert expected in stored, stored
+    assert ".unbroken/lease.json" not in stored, "released at the end"
+    marker = json.loads(read(s3_endpoint, url, "checkpoint_000010/.checkpoint.json"))
+    assert [f["path"] for f in marker["files"]] == ["state.pt"] and marker["iteration"] == 10
+    rows = [json.loads(line) for line in read(s3_endpoint, url, "result.json").decode().splitlines()]
+    assert [r["training_iteration"] for r in rows if r["attempt"] == 2] == list(range(5, ITERATIONS + 1))
+
+
+def test_killed_driver_is_restored_on_a_fresh_machine(s3_endpoint, tmp_path):
+    storage, name = prefix(), "fresh-machine"
+    url = f"{storage}/{name}"
+    config = {"iterations": ITERATIONS, "ckpt_every": 2, "echo": True}
+    driver = start_script(DRIVER, storage, name, json.dumps(config), **s3_env(s3_endpoint))
+    read_until(driver, "REPORTED 5")
+    driver.kill()
+    driver.wait()
+
+    # The same script again on another machine resumes by name; kill that one too.
+    elsewhere = fresh_machine(tmp_path, s3_endpoint, "a")
+    rerun = start_script(DRIVER, storage, name, json.dumps(config), **elsewhere)
+    read_until(rerun, "REPORTED 7")
+    rerun.kill()
+    rerun.wait()
+    run = json.loads(read(s3_endpoint, url, ".unbroken/run.json"))
+    assert run["attempts"][1]["resumed_from"] is not None, "auto-resumed by name"
+
+    out = run_script(RESTORE, url, **fresh_machine(tmp_path, s3_endpoint, "b"))
+    assert f"DONE {ITERATIONS} 3" in out.stdout, out.stderr
+    rows = [json.loads(line) for line in read(s3_endpoint, url, "result.json").decode().splitlines()]
+    assert [r["training_iteration"] for r in timeline(rows)] == list(range(1, ITERATIONS + 1))
+    state = torch.load(io.BytesIO(read(s3_endpoint, url, "checkpoint_000010/state.pt")),
+                       weights_only=True)
+    expected = reference_weights(tmp_path)
+    for key, value in state["model"].items():
+        assert torch.equal(value, expected[key])
+
+
+def test_transient_outage_is_retried_and_training_continues(s3_endpoint, faulty_proxy):
+    endpoint, refuse = faulty_proxy
+    storage, name = prefix(), "outage"
+    config = {"iterations": 30, "ckpt_every": 1, "echo": True}
+    driver = start_script(DRIVER, storage, name, json.dumps(config), **s3_env(endpoint))
+    read_until(driver, "REPORTED 3")
+    refuse(3)  # the server drops every request for three seconds
+    out, err = driver.communicate(timeout=240)
+    assert "DONE 30 1" in out, err
+    assert "retrying with backoff" in err, err
+    run = json.loads(read(s3_endpoint, f"{storage}/{name}", ".unbroken/run.json"))
+    assert run["status"] == "FINISHED" and len(run["attempts"]) == 1, "no failure: the outage was absorbed"
+
+
+def test_outage_beyond_the_retry_budget_fails_clearly_and_keeps_the_checkpoint(s3_endpoint, faulty_proxy):
+    endpoint, refuse = faulty_proxy
+    storage, name = prefix(), "long-outage"
+    url = f"{storage}/{name}"
+    config = {"iterations": 30, "ckpt_every": 2, "echo": True}
+    env = dict(s3_env(endpoint), UNBROKEN_STORAGE_RETRY_S="2", AWS_MAX_ATTEMPTS="1")
+    driver = start_script(DRIVER, storage, name, json.dumps(config), **env)
+    read_until(driver, "REPORTED 5")
+    refuse(600)
+    out, err = driver.communicate(timeout=240)
+    assert driver.returncode != 0
+    assert "StorageError" in err and "kept failing for 2 s" in err and "Hint" in err, err
+    refuse(0)
+    stored = keys(s3_endpoint, url)
+    latest = max(k.split("/")[0] for k in stored if k.endswith("/.checkpoint.json"))
+    out = run_script(RESTORE, url, **s3_env(s3_endpoint))
+    assert "DONE 30" in out.stdout
+    run = json.loads(read(s3_endpoint, url, ".unbroken/run.json"))
+    assert run["attempts"][-1]["resumed_from"] == latest, "the last committed checkpoint was intact"
+
+
+LEASE = """
+import json, os, sys
+from unbroken.errors import LeaseHeldError, LeaseLostError
+from unbroken.lease import LEASE_JSON, Lease
+from unbroken.storage import Storage
+storage = Storage.from_url(sys.argv[1])
+first, second = Lease(storage), Lease(storage)
+first.acquire()
+try:
+    second.acquire()
+    print("SECOND ACQUIRED")
+except LeaseHeldError as e:
+    print("REFUSED", e)
+# The first driver's heartbeat goes stale (its record says so): the second takes over.
+record = json.loads(storage.read_bytes(LEASE_JSON))
+record.update(host="elsewhere", heartbeat=0)
+first._version = storage.write_conditional(LEASE_JSON, json.dumps(record).encode(), first._version)
+second.acquire()
+print("TAKEN OVER")
+try:
+    first.beat(force=True)
+    print("FIRST STILL BEATS")
+except LeaseLostError as e:
+    print("LOST", e)
+print("HOLDER", json.loads(storage.read_bytes(LEASE_JSON))["token"] == second.token)
+"""
+
+
+def test_lease_on_s3_uses_conditional_writes(s3_endpoint):
+    out = run_script(LEASE, f"{prefix()}/leased", **s3_env(s3_endpoint)).stdout
+    assert "REFUSED" in out and "SECOND ACQUIRED" not in out
+    assert "TAKEN OVER" in out
+    assert "LOST" in out and "taken over by another driver" in out and "FIRST STILL BEATS" not in out
+    assert "HOLDER True" in out
+
+
+def test_result_and_can_restore_read_an_s3_run(s3_endpoint, tmp_path):
+    storage, name = prefix(), "readable"
+    run_script(DRIVER, storage, name, json.dumps({"iterations": 4}), **s3_env(s3_endpoint))
+    code = """
+import sys
+from unbroken.train import Result
+from unbroken.train.torch import TorchTrainer
+url = sys.argv[1]
+result = Result.from_path(url)
+print("CAN", TorchTrainer.can_restore(url), TorchTrainer.can_restore(url + "-missing"))
+print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.checkpoint.path)
+"""
+    out = run_script(code, f"{storage}/{name}", **s3_env(s3_endpoint)).stdout
+    assert "CAN True False" in out
+    assert f"ROWS [1, 2, 3, 4] {storage}/{name}/checkpoint_000004" in out
