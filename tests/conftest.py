@@ -69,7 +69,7 @@ def s3_endpoint():
     """A real S3-compatible server (moto) on loopback for the whole session, with a bucket."""
     pytest.importorskip("moto")
     pytest.importorskip("s3fs")
-    proc, port = _start([os.path.join(TESTS, "s3_server.py")], "S3 ")
+    proc, port = _start([os.path.join(TESTS, "..", "tools", "s3_server.py")], "S3 ")
     endpoint = f"http://127.0.0.1:{port}"
     import boto3
 

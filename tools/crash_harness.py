@@ -18,13 +18,14 @@ Invariants checked at every launch and at the end of each trial:
     uninterrupted run's, bit for bit;
   - the final model equals the uninterrupted run's, bit for bit.
 
-Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json]
+Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3]
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -32,12 +33,13 @@ import logging
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -131,7 +133,7 @@ def _driver(storage: str, name: str, log: str, how: str, fault: str | None, faul
     os.environ.pop("UNBROKEN_FAULT", None)
     if fault:
         os.environ.update(UNBROKEN_FAULT=fault, UNBROKEN_FAULT_LOG=fault_log)
-    path = os.path.join(storage, name)
+    path = f"{storage}/{name}"
     try:
         trainer = TorchTrainer.restore(path) if how == "restore" else make_trainer(storage, name, log)
         trainer.fit()
@@ -150,10 +152,10 @@ def _driver(storage: str, name: str, log: str, how: str, fault: str | None, faul
 # -- checks ------------------------------------------------------------------------------------
 def newest_committed(path: str, violations: list[str]) -> str | None:
     """The newest checkpoint whose marker verifies, read-only; a torn one under a committed
-    name is itself a violation (the protocol must never expose one)."""
+    name is itself a violation (the protocol must never expose one). On object stores files
+    are uploaded under the final name and the marker goes last, so there an unmarked
+    directory is an upload in progress, not a violation."""
     storage = Storage.from_url(path)
-    if not storage.exists():
-        return None
     names, _ = commit.scan(storage)
     newest = None
     for name in names:
@@ -161,15 +163,24 @@ def newest_committed(path: str, violations: list[str]) -> str | None:
             commit.verify(storage, name, full=True)
             newest = name
         except TornCheckpointError as e:
-            violations.append(f"torn checkpoint under a committed name: {e}")
+            if storage.is_local or storage.exists(f"{name}/{commit.MARKER}"):
+                violations.append(f"torn checkpoint under a committed name: {e}")
     return newest
 
 
 def leftovers(path: str) -> list[str]:
-    found = [n for n in os.listdir(path) if any(t in n for t in (".tmp-", ".del-", ".corrupt-"))]
-    meta = os.path.join(path, ".unbroken")
-    found += [f".unbroken/{n}" for n in os.listdir(meta) if ".tmp-" in n]
+    storage = Storage.from_url(path)
+    found = [n for n in storage.listdir() if any(t in n for t in (".tmp-", ".del-", ".corrupt-"))]
+    found += [n for n in commit.scan(storage)[0] if not storage.exists(f"{n}/{commit.MARKER}")]
+    found += [f".unbroken/{n}" for n in storage.listdir(".unbroken") if ".tmp-" in n]
     return found
+
+
+def read_manifest(path: str) -> dict | None:
+    try:
+        return json.loads(Storage.from_url(path).read_bytes(".unbroken/run.json"))
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def read_log(log: str) -> list[dict]:
@@ -179,9 +190,10 @@ def read_log(log: str) -> list[dict]:
 
 
 class Harness:
-    def __init__(self, seed: int, workdir: str) -> None:
+    def __init__(self, seed: int, workdir: str, root: str) -> None:
         self.rng = random.Random(seed)
         self.workdir = workdir
+        self.root = root  # where the runs live: the work directory, or an s3:// prefix
         self.ctx = mp.get_context("fork")
         self.counts: Counter[str] = Counter()
         self.violations: list[str] = []
@@ -199,14 +211,14 @@ class Harness:
         return proc, outcome
 
     def reference(self) -> None:
-        storage = os.path.join(self.workdir, "reference")
+        storage = f"{self.root}/reference"
         t0 = time.monotonic()
         proc, outcome = self.launch(storage, "run", os.path.join(self.workdir, "ref.log"), "fresh", None)
         proc.join()
         self.duration = time.monotonic() - t0
         if open(outcome).read() != "finished":
             raise SystemExit(f"the uninterrupted reference run failed: {open(outcome).read()}")
-        result = Result.from_path(os.path.join(storage, "run"))
+        result = Result.from_path(f"{storage}/run")
         self.reference_losses = [row["loss"] for row in _timeline(result.path)]
         self.reference_weights = self.final_weights(result)
 
@@ -232,9 +244,9 @@ class Harness:
         return ("kill-driver" if r < 0.80 else "kill-worker"), None, delay
 
     def trial(self, index: int) -> None:
-        storage = os.path.join(self.workdir, f"trial-{index}")
+        storage = f"{self.root}/trial-{index}"
         name, log = "run", os.path.join(self.workdir, f"trial-{index}.log")
-        path = os.path.join(storage, name)
+        path = f"{storage}/{name}"
         kills = 0
         for launch in range(MAX_KILLS + 3):
             before = newest_committed(path, self.violations)
@@ -281,9 +293,9 @@ class Harness:
             self.violations.append(f"{where}: restore failed: {result}")
         elif result.startswith("failed") and not injected and "SIGKILL" not in result:
             self.violations.append(f"{where}: the run failed without an injected fault: {result}")
-        if not os.path.exists(os.path.join(path, ".unbroken", "run.json")):
+        manifest = read_manifest(path)
+        if manifest is None:
             return
-        manifest = json.load(open(os.path.join(path, ".unbroken", "run.json")))
         for attempt in manifest["attempts"][attempts_before:]:
             if attempt["resumed_from"] != before:
                 self.violations.append(f"{where}: attempt {attempt['number']} resumed from "
@@ -309,9 +321,9 @@ class Harness:
         if weights.keys() != self.reference_weights.keys() or not all(
                 torch.equal(weights[k], self.reference_weights[k]) for k in weights):
             self.violations.append(f"{where}: final weights differ from the uninterrupted run")
-        if json.load(open(os.path.join(path, ".unbroken", "run.json")))["status"] != "FINISHED":
+        if (read_manifest(path) or {}).get("status") != "FINISHED":
             self.violations.append(f"{where}: run.json does not say FINISHED")
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        Storage.from_url(path.rsplit("/", 1)[0]).remove("")
 
 
 def _timeline(path: str) -> list[dict]:
@@ -320,10 +332,7 @@ def _timeline(path: str) -> list[dict]:
 
 
 def _attempt_count(path: str) -> int:
-    try:
-        return len(json.load(open(os.path.join(path, ".unbroken", "run.json")))["attempts"])
-    except (OSError, ValueError):
-        return 0
+    return len((read_manifest(path) or {}).get("attempts", []))
 
 
 def _children(pid: int) -> list[int]:
@@ -333,16 +342,37 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+@contextlib.contextmanager
+def s3_server(wanted: bool) -> Iterator[str | None]:
+    """A moto S3 server on loopback with a bucket; yields the runs' s3:// root (None if not wanted)."""
+    if not wanted:
+        yield None
+        return
+    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "s3_server.py")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = server.stdout.readline().split()[1]
+        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                          AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        Storage.from_url("s3://crash-harness").makedirs()
+        yield "s3://crash-harness/runs"
+    finally:
+        server.stdin.close()
+        server.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    parser.add_argument("--s3", action="store_true",
+                        help="keep the runs on an S3-compatible server (moto) started on loopback")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir:
-        harness = Harness(seed, workdir)
+    with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root:
+        harness = Harness(seed, workdir, root or workdir)
         harness.reference()
         for i in range(args.trials):
             seen = len(harness.violations)

@@ -12,19 +12,19 @@ import pytest
 HARNESS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "crash_harness.py")
 
 
-def run_harness(trials: int) -> dict:
-    proc = subprocess.run([sys.executable, HARNESS, "--trials", str(trials), "--json"],
+def run_harness(trials: int, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, HARNESS, "--trials", str(trials), "--json", *extra],
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode in (0, 1), proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def check(report: dict, trials: int) -> None:
+def check(report: dict, trials: int, commit_kills: int = 1) -> None:
     where = f"crash harness seed {report['seed']}"
     assert report["violations"] == [], f"{where}: {report['violations']}"
     assert report["trials"] == trials, where
     assert report["restores"] >= trials // 2, where
-    assert report.get("kills inside commit", 0) >= 1, where
+    assert report.get("kills inside commit", 0) >= commit_kills, where
 
 
 def test_random_kills_never_lose_or_tear_anything():
@@ -34,3 +34,15 @@ def test_random_kills_never_lose_or_tear_anything():
 @pytest.mark.slow
 def test_random_kills_soak():
     check(run_harness(200), 200)
+
+
+def test_random_kills_with_runs_on_s3():
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    check(run_harness(3, "--s3"), 3, commit_kills=0)
+
+
+@pytest.mark.slow
+def test_random_kills_on_s3_soak():
+    pytest.importorskip("moto")
+    check(run_harness(40, "--s3"), 40)

@@ -15,19 +15,25 @@ import os
 import selectors
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from unbroken.engine.worker import Pickled, WorkerPayload, worker_main
 
+# Python threads that survive a fork harmlessly: fsspec's event-loop thread for async
+# filesystems (s3fs, gcsfs) and that loop's executor threads (DNS lookups) are idle between
+# requests, fsspec resets its loop in a forked child, and workers open their own instance.
+_FORK_SAFE_THREADS = ("fsspecIO", "asyncio_")
+
 
 def _thread_count() -> int:
+    """OS threads of this process, not counting the known fork-safe ones."""
+    safe = sum(1 for t in threading.enumerate() if t.name.startswith(_FORK_SAFE_THREADS))
     try:
-        return len(os.listdir("/proc/self/task"))
+        return len(os.listdir("/proc/self/task")) - safe
     except OSError:
-        import threading
-
-        return threading.active_count()
+        return threading.active_count() - safe
 
 
 _clean_threads = _thread_count()

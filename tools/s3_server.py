@@ -4,9 +4,12 @@ Run as `python s3_server.py`; it prints `S3 <port>` once it accepts requests and
 its stdin closes, so the test fixture that started it controls its lifetime.
 """
 
+import logging
 import sys
 
 from moto.server import ThreadedMotoServer
+
+logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
 
 server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 server.start()
