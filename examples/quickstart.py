@@ -2,10 +2,12 @@
 
     python examples/quickstart.py [--storage DIR]
 
-1. Starts a 2-worker DDP training job (an MLP on a synthetic regression set) in a child
-   process and SIGKILLs that driver mid-way, as an OOM killer or a lost machine would.
+1. Starts a 2-worker DDP training job (an MLP with dropout on a synthetic regression set, with
+   a learning-rate schedule) in a child process and SIGKILLs that driver mid-way, as an OOM
+   killer or a lost machine would.
 2. Restores the run in this process with `TorchTrainer.restore(path).fit()`: it continues
-   from the last committed checkpoint, in the same run directory.
+   from the last committed checkpoint, in the same run directory. `TrainState` puts back the
+   model, optimizer, scheduler, data order position, epoch counter and every rank's RNG.
 3. Runs the same job without interruption and checks the final weights match bit for bit.
 """
 
@@ -21,8 +23,8 @@ import tempfile
 import torch
 
 from unbroken import train
-from unbroken.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
-from unbroken.train.torch import TorchTrainer, prepare_data_loader, prepare_model
+from unbroken.train import CheckpointConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer, TrainState, prepare_data_loader, prepare_model
 
 EPOCHS = 30
 KILL_AFTER_EPOCH = 12
@@ -38,21 +40,17 @@ def make_dataset(n: int = 4096) -> torch.utils.data.TensorDataset:
 def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(0)
     model = prepare_model(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
-                                              torch.nn.Linear(64, 1)))
+                                              torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     loader = prepare_data_loader(torch.utils.data.DataLoader(make_dataset(), batch_size=64, shuffle=True))
 
-    start_epoch = 0
-    checkpoint = train.get_checkpoint()
-    if checkpoint:  # resume: load what the last committed checkpoint saved
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"] + 1
+    # Everything the loop needs to continue exactly; restore() loads the last committed
+    # checkpoint into it (and does nothing on a fresh run).
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, epoch=0)
+    state.restore()
 
-    for epoch in range(start_epoch, config["epochs"]):
-        loader.set_epoch(epoch)  # the data order depends on the epoch only
+    for epoch in range(state.epoch, config["epochs"]):
         total = 0.0
         for x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -60,16 +58,11 @@ def train_loop_per_worker(config: dict) -> None:
             loss.backward()
             optimizer.step()
             total += loss.item()
+        scheduler.step()
+        state.epoch = epoch + 1
         metrics = {"epoch": epoch, "loss": total / len(loader)}
-        rank = train.get_context().get_world_rank()
-        if epoch % 3 == 2 and rank == 0:  # every third epoch, rank 0 saves a checkpoint
-            with tempfile.TemporaryDirectory() as d:
-                torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                            "epoch": epoch}, os.path.join(d, "state.pt"))
-                train.report(metrics, checkpoint=Checkpoint.from_directory(d))
-        else:
-            train.report(metrics)
-        if rank == 0 and os.environ.get("QUICKSTART_ECHO"):
+        state.report(metrics, checkpoint=epoch % 3 == 2)  # every third epoch, a checkpoint
+        if train.get_context().get_world_rank() == 0 and os.environ.get("QUICKSTART_ECHO"):
             print(f"epoch {epoch} loss {metrics['loss']:.4f}", flush=True)
 
 
@@ -81,8 +74,9 @@ def make_trainer(storage: str, name: str) -> TorchTrainer:
 
 
 def weights(result) -> dict[str, torch.Tensor]:
+    """The model weights in a run's last checkpoint (TrainState's train_state.pt)."""
     with result.checkpoint.as_directory() as d:
-        return torch.load(os.path.join(d, "state.pt"), weights_only=True)["model"]
+        return torch.load(os.path.join(d, "train_state.pt"), weights_only=True)["state_dicts"]["model"]
 
 
 def main() -> None:

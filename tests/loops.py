@@ -79,13 +79,21 @@ def linear_loop(config: dict) -> None:
 
 
 def simple_loop(config: dict) -> None:
-    """No torch.distributed needed: reports `iterations` rows, checkpointing every other one."""
+    """No torch.distributed needed: reports `iterations` rows, checkpointing every `ckpt_every`.
+
+    Knobs: fail_at=iteration raises in attempt 1; bad_metric reports a tensor; uneven makes
+    rank 0 report one extra time at the end."""
     start = 0
     ckpt = train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d, open(os.path.join(d, "it.txt")) as f:
             start = int(f.read())
+    ctx = train.get_context()
     for it in range(start + 1, config.get("iterations", 4) + 1):
+        if it == config.get("fail_at") and ctx.get_attempt() == 1:
+            raise RuntimeError(f"injected failure at iteration {it}")
+        if config.get("bad_metric"):
+            train.report({"loss": torch.ones(2)})
         if config.get("score"):
             score = config["score"][it - 1]
         else:
@@ -99,6 +107,8 @@ def simple_loop(config: dict) -> None:
                 train.report({"score": score, "it": it}, checkpoint=Checkpoint.from_directory(d))
         else:
             train.report({"score": score, "it": it})
+    if config.get("uneven") and ctx.get_world_rank() == 0:
+        train.report({"final": True})  # a rank-0-only report: not collective
 
 
 def must_not_run(config: dict) -> None:
@@ -128,3 +138,104 @@ def _rebuild_handle(token: str) -> Handle:
     if REBUILDS["dead"] or os.environ.get("HANDLE_DEAD"):
         raise ConnectionError(f"cluster for handle {token} is gone")
     return Handle(token)
+
+
+class AugmentedDataset(torch.utils.data.Dataset):
+    """A regression set whose __getitem__ augments each sample with torch, python and numpy
+    randomness, and returns the sample's index so tests can see the data order."""
+
+    def __init__(self, n: int = 48, dim: int = 8) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x @ torch.linspace(-1, 1, dim).unsqueeze(1) + 0.1
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        import random
+
+        x = self.x[i] * (1.0 + 0.1 * random.random()) + 0.05 * torch.randn(self.x.shape[1])
+        try:
+            import numpy as np
+
+            x = x + float(np.random.uniform(-0.05, 0.05))
+        except ImportError:
+            pass
+        return x, self.y[i], i
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def _die(mode: str, step: int) -> None:
+    if mode == "raise":
+        raise RuntimeError(f"injected failure at step {step}")
+    if mode == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exact_loop(config: dict) -> None:
+    """A DDP job with dropout, augmentation in the dataset, AdamW and a per-step scheduler, whose
+    whole state is a TrainState checkpointed every `ckpt_every` steps (mid-epoch too).
+
+    Reports every rank's loss and batch indices each step, and a last row with a final
+    checkpoint. Faults: kill_at=[[step, attempt, rank, mode], ...], mode raise|exit|sigkill;
+    preempt_at=[step, attempt] has rank 0 send SIGTERM to the driver (its parent under fork);
+    `echo` prints "STEP n" on rank 0 after each step's report.
+    """
+    from unbroken.train.torch import TrainState, prepare_data_loader
+
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # Per-rank random streams (DDP broadcasts rank 0's initial weights).
+    seed_everything(100 + rank)
+    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                              torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
+    data = torch.utils.data.DataLoader(AugmentedDataset(config.get("samples", 48)),
+                                       batch_size=config.get("batch_size", 4), shuffle=True,
+                                       num_workers=config.get("num_workers", 0))
+    loader = prepare_data_loader(data, seed_per_sample=config.get("seed_per_sample"))
+    state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
+                       best=None)
+    state.restore()
+    kills = [tuple(k) for k in config.get("kill_at", [])]
+    for epoch in range(state.epoch, config["epochs"]):
+        for x, y, idx in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            state.step += 1
+            state.best = loss.item() if state.best is None else min(state.best, loss.item())
+            for step, attempt, kill_rank, mode in kills:
+                if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+                    _die(mode, step)
+            if config.get("preempt_at") == [state.step, ctx.get_attempt()] and rank == 0:
+                os.kill(os.getppid(), signal.SIGTERM)  # the driver (workers are forked from it)
+            mine = [loss.item(), idx.tolist()]
+            every = [mine]
+            if world > 1:
+                every = [None] * world
+                torch.distributed.all_gather_object(every, mine)
+            state.report({"loss": loss.item(), "losses": [e[0] for e in every], "epoch": epoch,
+                          "step": state.step, "indices": [e[1] for e in every]},
+                         checkpoint=state.step % config.get("ckpt_every", 4) == 0)
+            if config.get("echo") and rank == 0:
+                print(f"STEP {state.step}", flush=True)
+        state.epoch = epoch + 1
+    state.report({"final": True, "step": state.step}, checkpoint=True)

@@ -1,19 +1,32 @@
 """torch.distributed for TorchTrainer: the process group, and the helpers that put a model
-and a DataLoader on it (prepare_model, prepare_data_loader, get_device)."""
+and a DataLoader on it (prepare_model, prepare_data_loader, get_device).
+
+prepare_data_loader makes a DataLoader resumable: a seeded global sample order per epoch,
+shared out among the ranks (unbroken.sampler), with its position saved by TrainState, and
+optionally per-sample seeding of the randomness in `__getitem__` (unbroken.sample_seed)."""
 
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from unbroken import session as session_mod
 from unbroken.backend import Backend, Rendezvous
+from unbroken.sample_seed import KeyedSampler, SeededDataset, sample_seed
+from unbroken.sampler import ResumableSampler
 from unbroken.session import Session
 
 
@@ -84,32 +97,6 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
     return model
 
 
-class _DeviceLoader:
-    """Iterates a DataLoader on this worker's device, setting the sampler's epoch each pass."""
-
-    def __init__(self, loader: DataLoader, device: torch.device) -> None:
-        self._loader = loader
-        self._device = device
-        self._epoch = 0
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use `epoch`'s sample order for the next pass (call it when resuming mid-training)."""
-        self._epoch = epoch
-
-    def __iter__(self):
-        sampler = self._loader.sampler
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(self._epoch)
-        self._epoch += 1
-        for batch in self._loader:
-            yield _to_device(batch, self._device)
-
 
 def _to_device(batch: Any, device: torch.device) -> Any:
     if device.type == "cpu":
@@ -123,18 +110,243 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+class DeviceDataLoader:
+    """A DataLoader that prepare_data_loader could not make resumable (see `why_not_resumable`),
+    iterated on this worker's device. A DistributedSampler in it gets its epoch set each pass."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, why_not_resumable: str) -> None:
+        self._loader = loader
+        self._device = device
+        self._epoch = 0
+        self.why_not_resumable = why_not_resumable
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use `epoch`'s sample order for the next pass."""
+        self._epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self._loader.sampler
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        for batch in self._loader:
+            yield _to_device(batch, self._device)
+
+
+class ResumableDataLoader:
+    """What prepare_data_loader returns: a DataLoader over this rank's share of a seeded
+    global sample order (`ResumableSampler`), on this worker's device, whose position
+    (epoch, samples consumed) `state_dict()` saves and `load_state_dict()` restores.
+
+    Iterating it continues the current epoch from the current position; a pass that runs to
+    its end moves to the next epoch. Consumption is counted by the batches handed to the
+    training loop, not by what DataLoader workers have prefetched. Anything else (`dataset`
+    aside) is read from the underlying DataLoader.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler, dataset: Any,
+                 device: torch.device, generator: torch.Generator) -> None:
+        self._loader = loader
+        self._sampler = sampler
+        self._dataset = dataset
+        self._device = device
+        self._generator = generator
+
+    @property
+    def sampler(self) -> ResumableSampler:
+        return self._sampler
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset as it was given (without the per-sample seeding wrapper)."""
+        return self._dataset
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass continues (it advances when a pass runs to its end)."""
+        return self._sampler.epoch
+
+    @property
+    def seeds_per_sample(self) -> bool:
+        """True when each sample is fetched with generators seeded from (seed, epoch, index)."""
+        return isinstance(self._loader.dataset, SeededDataset)
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch on this rank (a pass resumed mid-epoch yields fewer)."""
+        per_rank = self._sampler.epoch_length()
+        batch = self._loader.batch_size or 1
+        return per_rank // batch if self._loader.drop_last else -(-per_rank // batch)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of `epoch`; the current epoch keeps its position, so calling
+        this at the top of an epoch loop does not undo a mid-epoch resume."""
+        self._sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position (see ResumableSampler.state_dict)."""
+        return self._sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved data position, with this run's number of ranks."""
+        self._sampler.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self._sampler
+        # DataLoader draws its workers' base seed from this generator, not from the rank's
+        # global one, so starting a pass (fresh or resumed) leaves the training RNG untouched.
+        self._generator.manual_seed(sample_seed(sampler.seed, sampler.epoch, sampler.position))
+        remaining = len(sampler)
+        batch_size = self._loader.batch_size or 1
+        for batch in self._loader:
+            taken = min(batch_size, remaining)
+            remaining -= taken
+            sampler.advance(taken)
+            yield _to_device(batch, self._device)
+        sampler.end_epoch()
+
+
+class _DieWithRank:
+    """A DataLoader `worker_init_fn` that makes the worker process die with its rank.
+
+    A DataLoader worker inherits its rank's end of the pipe that tells the driver the rank is
+    alive, so a rank killed with SIGKILL is only noticed once its DataLoader workers are gone,
+    and they only check for a dead parent every few seconds. With PR_SET_PDEATHSIG the kernel
+    kills them with the rank, so the driver notices at once. Runs the user's function after.
+    """
+
+    def __init__(self, user_fn: Any) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not Linux
+            pass
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _worker_init_fn(loader: DataLoader) -> Any:
+    fn = loader.worker_init_fn
+    if loader.num_workers == 0 or isinstance(fn, _DieWithRank):
+        return fn
+    return _DieWithRank(fn)
+
+
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of this worker: from the session, else torch.distributed, else (0, 1)."""
+    session = session_mod._current
+    if session is not None:
+        return session.info.world_rank, session.info.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+_KNOWN_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)
+
+
+def _why_not_resumable(loader: DataLoader, add_dist_sampler: bool, world_size: int) -> str | None:
+    if isinstance(loader.dataset, IterableDataset):
+        return "it reads an IterableDataset, which has no sample order to resume"
+    if not add_dist_sampler:
+        return "prepare_data_loader was called with add_dist_sampler=False, which keeps its own sampler"
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        return "it has its own batch_sampler"
+    if not getattr(loader, "in_order", True):
+        return "it yields batches out of order (in_order=False)"
+    if world_size == 1 and type(loader.sampler) not in _KNOWN_SAMPLERS:
+        return (f"it has its own sampler ({type(loader.sampler).__name__}); with one worker "
+                "prepare_data_loader keeps it")
+    if isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement
+                                                      or loader.sampler._num_samples is not None) \
+            and world_size == 1:
+        return "its RandomSampler draws with replacement or a custom num_samples"
+    return None
+
+
 def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
-                        move_to_device: bool = True) -> Any:
-    """Give each rank its part of the data (a seeded DistributedSampler) on its device."""
-    loader = data_loader
-    if add_dist_sampler and dist.is_initialized() and dist.get_world_size() > 1 \
-            and not isinstance(data_loader.sampler, DistributedSampler):
-        shuffle = not isinstance(data_loader.sampler, torch.utils.data.SequentialSampler)
-        sampler = DistributedSampler(data_loader.dataset, num_replicas=dist.get_world_size(),
-                                     rank=dist.get_rank(), shuffle=shuffle)
-        loader = DataLoader(data_loader.dataset, batch_size=data_loader.batch_size, sampler=sampler,
-                            num_workers=data_loader.num_workers, collate_fn=data_loader.collate_fn,
-                            pin_memory=data_loader.pin_memory, drop_last=data_loader.drop_last,
-                            worker_init_fn=data_loader.worker_init_fn,
-                            generator=data_loader.generator)
-    return _DeviceLoader(loader, get_device() if move_to_device else torch.device("cpu"))
+                        move_to_device: bool = True, *, seed: int | None = None,
+                        seed_per_sample: bool | None = None) -> ResumableDataLoader | DeviceDataLoader:
+    """Give each rank its share of the data, in a resumable order, on its device.
+
+    The loader's sampler becomes a `ResumableSampler`: one seeded permutation of the dataset
+    per epoch (no permutation for a SequentialSampler), shared out among the ranks, whose
+    position TrainState saves and restores, so a resumed run continues mid-epoch with the next
+    unseen samples, with any number of ranks. Any sampler other than the default ones is
+    replaced when there are several ranks, as in Ray Train; with one rank it is kept and the
+    loader is not resumable.
+
+    `seed`: the sample order's seed; default: a DistributedSampler's seed, else the
+    DataLoader's `generator` seed, else 0. `seed_per_sample`: seed python's `random`, numpy
+    and torch before each sample is fetched, from (seed, epoch, index), so augmentation does
+    not depend on `num_workers` or the resume point (see `unbroken.sample_seed`). The default,
+    None, does it when `num_workers > 0`, where it is needed for an exact resume; with
+    `num_workers=0` samples are fetched in the training process, whose generators TrainState
+    saves, so an exact resume needs no per-sample seeding there.
+
+    Returns a `ResumableDataLoader`, or a `DeviceDataLoader` (whose `why_not_resumable` says
+    why) for loaders it cannot make resumable: an IterableDataset, a custom batch_sampler,
+    `in_order=False`, or `add_dist_sampler=False`.
+    """
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got "
+                        f"{type(data_loader).__name__}. Hint: wrap your dataset: "
+                        "prepare_data_loader(DataLoader(dataset, batch_size=..., shuffle=True))")
+    device = get_device() if move_to_device else torch.device("cpu")
+    rank, world_size = _ranks()
+    reason = _why_not_resumable(data_loader, add_dist_sampler, world_size)
+    if reason is not None:
+        data_loader.worker_init_fn = _worker_init_fn(data_loader)
+        return DeviceDataLoader(data_loader, device, reason)
+
+    old = data_loader.sampler
+    shuffle = not isinstance(old, SequentialSampler)
+    drop_last_share = False
+    if isinstance(old, DistributedSampler):
+        shuffle, drop_last_share = old.shuffle, old.drop_last
+    if seed is None:
+        if isinstance(old, DistributedSampler):
+            seed = old.seed
+        elif data_loader.generator is not None:
+            seed = data_loader.generator.initial_seed()
+        else:
+            seed = 0
+    dataset = data_loader.dataset
+    sampler = ResumableSampler(len(dataset), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                               seed=seed, drop_last=drop_last_share)
+    if seed_per_sample is None:
+        seed_per_sample = data_loader.num_workers > 0
+    generator = torch.Generator()
+    kwargs: dict[str, Any] = dict(
+        batch_size=data_loader.batch_size, num_workers=data_loader.num_workers,
+        pin_memory=data_loader.pin_memory, drop_last=data_loader.drop_last, timeout=data_loader.timeout,
+        worker_init_fn=_worker_init_fn(data_loader), generator=generator,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        persistent_workers=data_loader.persistent_workers)
+    if data_loader.num_workers > 0:
+        kwargs["prefetch_factor"] = data_loader.prefetch_factor
+    if data_loader.pin_memory_device:
+        kwargs["pin_memory_device"] = data_loader.pin_memory_device
+    if seed_per_sample:
+        loader = DataLoader(SeededDataset(dataset, seed), sampler=KeyedSampler(sampler),
+                            collate_fn=data_loader.collate_fn, **kwargs)
+    else:
+        loader = DataLoader(dataset, sampler=sampler, collate_fn=data_loader.collate_fn, **kwargs)
+    return ResumableDataLoader(loader, sampler, dataset, device, generator)

@@ -1,4 +1,5 @@
-"""TorchTrainer: DataParallelTrainer with a torch.distributed process group."""
+"""TorchTrainer: DataParallelTrainer with a torch.distributed process group, and the worker-side
+torch helpers: prepare_model, prepare_data_loader, get_device and TrainState (exact resume)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,21 @@ import torch  # noqa: F401  (imported before the engine forks workers, so they i
 from unbroken.checkpoint import Checkpoint
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.engine import local as _local
-from unbroken.torch_backend import TorchConfig, get_device, prepare_data_loader, prepare_model
+from unbroken.torch_backend import (
+    DeviceDataLoader,
+    ResumableDataLoader,
+    TorchConfig,
+    get_device,
+    prepare_data_loader,
+    prepare_model,
+)
+from unbroken.train_state import TrainState
 from unbroken.trainer import DataParallelTrainer
 
 _local.mark_clean()
 
-__all__ = ["TorchConfig", "TorchTrainer", "get_device", "prepare_data_loader", "prepare_model"]
+__all__ = ["DeviceDataLoader", "ResumableDataLoader", "TorchConfig", "TorchTrainer", "TrainState",
+           "get_device", "prepare_data_loader", "prepare_model"]
 
 
 class TorchTrainer(DataParallelTrainer):

@@ -1,0 +1,380 @@
+"""TrainState: everything a training loop needs to continue bit for bit after a restart.
+
+    state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0)
+    state.restore()                      # after building everything, before the first step
+    for epoch in range(state.epoch, epochs):
+        for batch in loader:
+            ...
+            state.report({"loss": loss.item()}, checkpoint=step % 100 == 0)
+        state.epoch = epoch + 1
+
+A checkpoint written by `report` (or `save`) holds, in one directory:
+
+- `train_state.pt`, written by rank 0 only: the state_dict of the model (unwrapped from DDP
+  and torch.compile), optimizer, scheduler, loader (the data position) and every extra object
+  with a state_dict, plus the plain extra values. Under DDP these are the same on every rank.
+- `rng_rank<r>.pt`, one per rank: that rank's generator states (python `random`, numpy's
+  global RNG, torch CPU, the current CUDA device's) and any torch.Generator extras.
+
+Both load with `torch.load(..., weights_only=True)`: RNG states are stored as tensors, ints
+and tuples, never as pickled objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from unbroken import session as session_mod
+from unbroken import train
+from unbroken.checkpoint import Checkpoint
+from unbroken.errors import StateMismatchError
+
+try:
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is optional
+    _np = None
+
+logger = logging.getLogger("unbroken")
+
+FORMAT_VERSION = 1
+STATE_FILE = "train_state.pt"
+COMPONENTS = ("model", "optimizer", "scheduler", "loader")
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+# What torch.load(weights_only=True) accepts, checked at save time so that a checkpoint
+# that could not be loaded is refused when it is written, not when it is needed.
+_LOADABLE_SCALARS = _PLAIN_SCALARS + (torch.Size, torch.dtype, torch.device)
+
+
+def rng_file(rank: int) -> str:
+    """The name of rank `rank`'s RNG file in a TrainState checkpoint."""
+    return f"rng_rank{rank}.pt"
+
+
+def _ranks() -> tuple[int, int]:
+    """(rank, world size): from the session, else torch.distributed, else (0, 1)."""
+    session = session_mod._current
+    if session is not None:
+        return session.info.world_rank, session.info.world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _unwrap(model: Any) -> Any:
+    """The module whose state_dict has the plain parameter names (no DDP or compile prefix)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _plain_problem(value: Any, where: str, scalars: tuple[type, ...] = _PLAIN_SCALARS) -> str | None:
+    """None if `value` loads back as itself with torch.load(weights_only=True); else what is wrong."""
+    if type(value) in scalars or isinstance(value, torch.Tensor):
+        return None
+    if type(value) in (list, tuple, set):
+        for i, item in enumerate(value):
+            problem = _plain_problem(item, f"{where}[{i}]", scalars)
+            if problem:
+                return problem
+        return None
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            if type(key) not in scalars:
+                return f"{where} has a key of type {type(key).__name__}"
+            problem = _plain_problem(item, f"{where}[{key!r}]", scalars)
+            if problem:
+                return problem
+        return None
+    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+
+
+class TrainState:
+    """The model, optimizer, scheduler, data loader and anything else a loop needs to resume.
+
+    `model`, `optimizer`, `scheduler`, `loader`: optional; each needs `state_dict()` and
+    `load_state_dict()`. The loader is normally the one `prepare_data_loader` returns.
+    `**extra`: anything else, by name:
+
+    - plain values (None, bool, int, float, str, tensors, and lists, tuples and dicts of them):
+      epoch counters, a best score, running sums. Read and assign them as attributes
+      (`state.epoch`, `state.epoch = 3`); `restore()` sets them to the saved values.
+    - objects with `state_dict()`/`load_state_dict()` (a GradScaler, an EMA model, a second
+      optimizer): saved from rank 0 and loaded on every rank, like the model.
+    - torch.Generator objects: saved and restored per rank, like the global generators.
+
+    Everything is saved from rank 0 except the random generator states, which are per rank;
+    that is right for data-parallel training (DDP), where model, optimizer and scheduler are
+    identical on every rank.
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+                 loader: Any = None, **extra: Any) -> None:
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "_values", {})
+        object.__setattr__(self, "_generators", {})
+        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
+                          ("loader", loader)):
+            if obj is not None:
+                self._objects[name] = self._check_stateful(name, obj)
+        reserved = set(dir(type(self))) | set(COMPONENTS)
+        for name, value in extra.items():
+            if name in reserved or name.startswith("_"):
+                raise ValueError(f"TrainState(..., {name}=...): {name!r} is a reserved name. Hint: "
+                                 "give that value another name")
+            if isinstance(value, torch.Generator):
+                self._generators[name] = value
+            elif _is_stateful(value) and not isinstance(value, torch.Tensor):
+                self._objects[name] = value
+            else:
+                self._check_plain(name, value)
+                self._values[name] = value
+
+    @staticmethod
+    def _check_stateful(name: str, obj: Any) -> Any:
+        if not _is_stateful(obj):
+            hint = ""
+            if name == "loader":
+                why = getattr(obj, "why_not_resumable", None)
+                hint = (f"prepare_data_loader could not make this loader resumable: {why}"
+                        if why else "pass the loader that prepare_data_loader(DataLoader(...)) returns")
+            raise TypeError(f"TrainState({name}=...) needs an object with state_dict() and "
+                            f"load_state_dict(), got {type(obj).__name__}. Hint: "
+                            f"{hint or 'pass it as a plain value or drop it'}")
+        return obj
+
+    @staticmethod
+    def _check_plain(name: str, value: Any) -> None:
+        problem = _plain_problem(value, name)
+        if problem:
+            raise TypeError(
+                f"TrainState cannot save {name!r}: {problem}, which is neither a plain value (None, "
+                "bool, int, float, str, tensor, or a list/tuple/dict of those) nor an object with "
+                "state_dict() and load_state_dict(). Hint: store a plain value instead (e.g. "
+                "float(x), int(x), x.tolist()), or give the object state_dict/load_state_dict")
+
+    # -- attribute access to the extras ---------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # internals not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        for table in ("_objects", "_values", "_generators"):
+            entries = self.__dict__.get(table, {})
+            if name in entries:
+                return entries[name]
+        raise AttributeError(f"TrainState has no {name!r}; it holds {self.names()}. Hint: declare "
+                             f"it when building the state: TrainState(..., {name}=initial_value)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._values:
+            self._check_plain(name, value)
+            self._values[name] = value
+        elif name in self._objects:
+            self._objects[name] = self._check_stateful(name, value)
+        elif name in self._generators:
+            if not isinstance(value, torch.Generator):
+                raise TypeError(f"TrainState.{name} holds a torch.Generator; got {type(value).__name__}")
+            self._generators[name] = value
+        else:
+            raise AttributeError(f"TrainState has no {name!r} to set; it holds {self.names()}. Hint: "
+                                 f"declare it when building the state: TrainState(..., {name}=initial_value)")
+
+    def names(self) -> list[str]:
+        """Everything this state saves, by name."""
+        return [*self._objects, *self._values, *self._generators]
+
+    def __repr__(self) -> str:
+        return f"TrainState({', '.join(self.names())})"
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def state_dicts(self) -> dict[str, Any]:
+        """The state_dict of every object this state holds (the model unwrapped), by name."""
+        out = {}
+        for name, obj in self._objects.items():
+            sd = _unwrap(obj).state_dict() if name == "model" else obj.state_dict()
+            problem = _plain_problem(sd, f"{name}.state_dict()", _LOADABLE_SCALARS)
+            if problem:
+                raise TypeError(f"TrainState cannot save {name!r}: {problem}, which "
+                                "torch.load(weights_only=True) cannot load back. Hint: make its "
+                                "state_dict() return tensors and plain values only")
+            out[name] = sd
+        return out
+
+    def save(self, directory: str | os.PathLike) -> list[str]:
+        """Write this rank's files of a checkpoint into `directory`; returns their names.
+
+        Rank 0 writes `train_state.pt` (objects and plain values); every rank writes
+        `rng_rank<r>.pt`. `report(..., checkpoint=True)` calls this; call it yourself to
+        attach TrainState's files to a checkpoint of your own.
+        """
+        directory = os.fspath(directory)
+        rank, world_size = _ranks()
+        written = []
+        if rank == 0:
+            for name, value in self._values.items():
+                self._check_plain(name, value)
+            payload = {"format": FORMAT_VERSION, "world_size": world_size,
+                       "state_dicts": self.state_dicts(), "values": dict(self._values)}
+            torch.save(payload, os.path.join(directory, STATE_FILE))
+            written.append(STATE_FILE)
+        rng = capture_rng()
+        rng["generators"] = {name: g.get_state() for name, g in self._generators.items()}
+        torch.save(rng, os.path.join(directory, rng_file(rank)))
+        written.append(rng_file(rank))
+        return written
+
+    def report(self, metrics: dict[str, Any], checkpoint: bool = False) -> bool:
+        """`train.report(metrics)`, with this state saved as the checkpoint when `checkpoint`
+        is true or when the driver asks for one (a preemption: should_checkpoint()).
+
+        Collective, like train.report: every rank calls it with the same `checkpoint`.
+        Returns whether a checkpoint was attached.
+        """
+        if not isinstance(checkpoint, bool):
+            raise TypeError(f"TrainState.report(checkpoint=...) takes a bool, got "
+                            f"{type(checkpoint).__name__}. Hint: to report a checkpoint of your own, "
+                            "call train.report(metrics, checkpoint=Checkpoint.from_directory(d))")
+        session_mod.current("TrainState.report()")
+        # Asked before this report, so every rank gets the driver's answer for the same report.
+        if not (checkpoint or train.get_context().should_checkpoint()):
+            train.report(metrics)
+            return False
+        with tempfile.TemporaryDirectory(prefix="unbroken-state-") as d:
+            self.save(d)
+            train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+        return True
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, checkpoint: Checkpoint | None = None, *, strict: bool = True) -> bool:
+        """Load the latest committed checkpoint (`train.get_checkpoint()`), or `checkpoint`,
+        into every object, the plain values and this rank's generators. Returns False, and
+        changes nothing, when there is none (a fresh run).
+
+        Call it after building the model, optimizer, scheduler and loader and before the first
+        training step: the generators are set last, so randomness drawn while building the
+        objects does not shift the resumed random stream. `strict=False` loads what the
+        checkpoint and this state have in common and logs the rest.
+        """
+        if checkpoint is None:
+            session_mod.current("TrainState.restore()")
+            checkpoint = train.get_checkpoint()
+        if checkpoint is None:
+            return False
+        with checkpoint.as_directory() as d:
+            self.load(d, strict=strict)
+        return True
+
+    def load(self, directory: str | os.PathLike, *, strict: bool = True) -> None:
+        """Load a checkpoint directory written by `save`/`report` into this state."""
+        directory = os.fspath(directory)
+        path = os.path.join(directory, STATE_FILE)
+        if not os.path.exists(path):
+            raise StateMismatchError(
+                f"{directory} has no {STATE_FILE}, so it was not written by TrainState (it has: "
+                f"{sorted(os.listdir(directory)) if os.path.isdir(directory) else 'no such directory'}). "
+                "Hint: a run that saved its own files must keep loading them itself from "
+                "train.get_checkpoint(); start a new run to use TrainState")
+        payload = torch.load(path, weights_only=True, map_location=_map_location())
+        found = payload.get("format") if isinstance(payload, dict) else None
+        if found != FORMAT_VERSION:
+            raise StateMismatchError(f"{path} has format {found!r}; this version of unbroken reads "
+                                     f"format {FORMAT_VERSION}. Hint: restore with the unbroken version "
+                                     "that wrote it")
+        state_dicts: dict[str, Any] = payload["state_dicts"]
+        values: dict[str, Any] = payload["values"]
+        self._compare("object", self._objects, state_dicts, strict, directory)
+        self._compare("value", self._values, values, strict, directory)
+        for name, obj in self._objects.items():
+            if name in state_dicts:
+                (_unwrap(obj) if name == "model" else obj).load_state_dict(state_dicts[name])
+        for name in self._values:
+            if name in values:
+                self._values[name] = values[name]
+        rank, _ = _ranks()
+        rng_path = os.path.join(directory, rng_file(rank))
+        if not os.path.exists(rng_path):
+            logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
+                           "generators keep their current state", rank, directory,
+                           payload.get("world_size"))
+            return
+        # Last, so that nothing done while loading draws from the restored generators.
+        rng = torch.load(rng_path, weights_only=True, map_location="cpu")
+        generators = rng.pop("generators", {})
+        self._compare("generator", self._generators, generators, strict, directory)
+        for name, g in self._generators.items():
+            if name in generators:
+                g.set_state(generators[name])
+        restore_rng(rng)
+
+    @staticmethod
+    def _compare(kind: str, declared: Mapping[str, Any], saved: Mapping[str, Any], strict: bool,
+                 directory: str) -> None:
+        missing = sorted(set(declared) - set(saved))
+        unknown = sorted(set(saved) - set(declared))
+        if not (missing or unknown):
+            return
+        message = (f"the checkpoint {directory} does not hold the same {kind}s as this TrainState: "
+                   + "; ".join(part for part in (
+                       f"not in the checkpoint: {missing}" if missing else "",
+                       f"not in this TrainState: {unknown}" if unknown else "") if part))
+        if strict:
+            raise StateMismatchError(message + ". Hint: build the TrainState with the same names the "
+                                     "run saved, or call restore(strict=False) to load what matches")
+        logger.warning("%s; loading the rest (strict=False)", message)
+
+
+def _map_location() -> Any:
+    """Where saved tensors go: CPU, or this worker's GPU when it uses one (rank 0's file
+    names rank 0's device, which is the wrong one on the other ranks)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        here = f"cuda:{torch.cuda.current_device()}"
+        return {f"cuda:{i}": here for i in range(torch.cuda.device_count())}
+    return "cpu"
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's generator states, in a form torch.load(weights_only=True) loads."""
+    version, internal, gauss_next = random.getstate()
+    # As a tensor: 625 ints unpickle far faster that way under weights_only=True than as a tuple.
+    python = {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+              "gauss_next": gauss_next}
+    state: dict[str, Any] = {"python": python, "torch": torch.get_rng_state()}
+    if _np is not None:
+        _, keys, pos, has_gauss, cached_gaussian = _np.random.get_state()
+        state["numpy"] = {"keys": torch.from_numpy(keys.astype(_np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set this process's generators to a state from `capture_rng` (what it lacks is left)."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state and _np is not None:
+        np_state = state["numpy"]
+        _np.random.set_state(("MT19937", np_state["keys"].numpy().astype(_np.uint32), np_state["pos"],
+                              np_state["has_gauss"], np_state["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())
