@@ -9,6 +9,7 @@ import traceback
 from typing import Any
 
 from unbroken import manifest as mf
+from unbroken.callbacks import CallbackList
 from unbroken.checkpoint_manager import CheckpointManager
 from unbroken.commit import FileEntry, Marker
 from unbroken.config import CheckpointConfig
@@ -37,6 +38,7 @@ class Run:
         self._attempt_t0 = 0.0
         self._time_base = 0.0
         self._last_report_t = 0.0
+        self.callbacks = CallbackList()  # the trainer sets RunConfig.callbacks and the progress display
 
     @property
     def path(self) -> str:
@@ -49,13 +51,13 @@ class Run:
     def begin_attempt(self, num_workers: int) -> Marker | None:
         """Start a new attempt from the newest committed checkpoint; returns its marker."""
         self.lease.beat()
+        for where in ("", mf.META_DIR):
+            self.storage.remove_stale_temps(where)
         resume = self.checkpoints.recover()
         for earlier in self.manifest.attempts:
             if earlier.status == mf.RUNNING:  # its driver died without recording an end
                 earlier.status = mf.ABORTED
                 earlier.error = earlier.error or "the driver stopped without recording an end (killed?)"
-        if self.history._rows is None:
-            self.history.open()
         self.attempt = Attempt(number=self.manifest.attempt_count + 1, started_at=time.time(),
                                resumed_from=resume.name if resume else None,
                                resumed_iteration=resume.iteration if resume else 0,
@@ -64,8 +66,11 @@ class Run:
         self.manifest.status = mf.RUNNING
         self._sync_checkpoint_fields()
         self.save_manifest()
+        if self.history._rows is None:  # after run.json exists: a new run's first files are in order
+            self.history.open()
         self._time_base = float(resume.metrics.get("time_total_s", 0.0)) if resume else 0.0
         self._attempt_t0 = self._last_report_t = time.monotonic()
+        self.callbacks.attempt_started()
         return resume
 
     def end_attempt(self, status: str, error: BaseException | None = None) -> None:
@@ -78,6 +83,7 @@ class Run:
             self.storage.write_atomic(ERROR_TXT, f"attempt {self.attempt.number}\n{text}".encode())
         self.history.sync()
         self.save_manifest()
+        self.callbacks.attempt_ended(status, error)
 
     def finish(self, status: str) -> None:
         """Mark the whole run FINISHED, ERRORED or INTERRUPTED and release the lease."""
@@ -85,6 +91,7 @@ class Run:
         self._sync_checkpoint_fields()
         self.save_manifest()
         self.history.close()
+        self.callbacks.run_ended(status)
         self.lease.release()
 
     # -- reports ------------------------------------------------------------------------
@@ -99,6 +106,7 @@ class Run:
                    attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
         self._last_report_t = now
         self.history.append(row)
+        self.callbacks.result(row)
         return row
 
     def commit_checkpoint(self, iteration: int, per_rank_files: list[list[FileEntry]],
@@ -109,6 +117,7 @@ class Run:
         self._sync_checkpoint_fields()
         self.save_manifest()
         self.lease.beat()
+        self.callbacks.checkpoint(marker)
         return marker
 
     def _sync_checkpoint_fields(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from unbroken import manifest as mf
 from unbroken import restore as rs
 from unbroken.backend import Backend
+from unbroken.callbacks import CallbackList
 from unbroken.checkpoint import Checkpoint
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.controller import Controller
@@ -65,10 +66,12 @@ class BaseTrainer:
 
         Raises TrainingFailedError (with the restore call in its message) when it cannot finish.
         """
+        callbacks = CallbackList.for_config(self.run_config)  # checks them before anything is written
         run, finished = rs.open_run(self)
         if finished is not None:
             return finished
         hint = rs.restore_hint(type(self), run.path)
+        run.callbacks = callbacks.bind(run)
         Controller(self, run, hint).execute()
         self._restore_overrides = frozenset()  # applied; a second fit() returns the stored result
         return Result.from_path(run.path, self.run_config.storage_filesystem)

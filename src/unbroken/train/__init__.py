@@ -1,6 +1,7 @@
 """unbroken.train: the Ray Train-style API for restorable training runs.
 
-Driver side: configs, trainers, Checkpoint, Result. Worker side (inside the training
+Driver side: configs, trainers, Checkpoint, Result, and the callbacks that observe a run
+(Callback, TensorBoardLoggerCallback, MLflowLoggerCallback). Worker side (inside the training
 function): report, get_checkpoint, get_context, get_dataset_shard.
 """
 
@@ -9,16 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken import session as _session
+from unbroken.callbacks import Callback, RunInfo
 from unbroken.checkpoint import Checkpoint
 from unbroken.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from unbroken.errors import TrainingFailedError
+from unbroken.mlflow_logger import MLflowLoggerCallback
 from unbroken.result import Result
 from unbroken.session import TrainContext
+from unbroken.tensorboard_logger import TensorBoardLoggerCallback
 from unbroken.trainer import BaseTrainer, DataParallelTrainer
 
 __all__ = [
-    "BaseTrainer", "Checkpoint", "CheckpointConfig", "DataParallelTrainer", "FailureConfig",
-    "Result", "RunConfig", "ScalingConfig", "TrainContext", "TrainingFailedError",
+    "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "DataParallelTrainer", "FailureConfig",
+    "MLflowLoggerCallback", "Result", "RunConfig", "RunInfo", "ScalingConfig", "TensorBoardLoggerCallback",
+    "TrainContext", "TrainingFailedError",
     "get_checkpoint", "get_context", "get_dataset_shard", "report",
 ]
 
