@@ -8,6 +8,8 @@ The worker group is the engine's business; storage is the Run's.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 import functools
 import logging
@@ -71,6 +73,10 @@ class Controller:
         self.state = ControllerState.STARTING
         self.policy = FailurePolicy(self.run_config.failure_config)
         self.interrupts = Interrupts()
+        # Workers get the trainer without the driver-side callbacks (never called there, and
+        # a callback may hold something that cannot travel to a forkserver worker).
+        self._worker_trainer = copy.copy(trainer)
+        self._worker_trainer.run_config = dataclasses.replace(trainer.run_config, callbacks=None)
         self._asked_at: int | None = None  # the round whose reply asked for a checkpoint
         self._preempted = False  # the workers were told to stop because of a signal
 
@@ -168,7 +174,7 @@ class Controller:
             attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
             checkpoint=checkpoint, storage_path=run.storage.url().rsplit("/", 1)[0],
             cpus=scaling.cpus_per_worker(), use_gpu=scaling.use_gpu)
-        return WorkerPayload(info=info, trainer=self.trainer)
+        return WorkerPayload(info=info, trainer=self._worker_trainer)
 
     def _drive(self, group: Any) -> None:
         """Process worker messages until every worker is done; raise on any failure.
