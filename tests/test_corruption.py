@@ -4,9 +4,12 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
+from conftest import driver_env
 from loops import simple_loop
 from unbroken import commit
 from unbroken.errors import TornCheckpointError
@@ -60,6 +63,14 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(run, damage, c
     DAMAGE[damage](os.path.join(run, newest))
     with pytest.raises(TornCheckpointError, match=REPORTED[damage]):
         commit.verify(Storage.from_url(run), newest, full=True)
+    # `unbroken verify` reports it, and exits 1.
+    verify = subprocess.run([sys.executable, "-m", "unbroken", "verify", run, "--json"],
+                            capture_output=True, text=True, env=driver_env())
+    assert verify.returncode == 1, verify.stderr
+    states = {c["name"]: c for c in json.loads(verify.stdout)["checkpoints"]}
+    assert states[newest]["state"] in ("torn", "corrupted")
+    assert any(REPORTED[damage] in p for p in states[newest]["problems"]), states[newest]
+    assert states[previous]["state"] == "committed"
     original = sorted(os.listdir(os.path.join(run, newest)))
 
     with caplog.at_level(logging.WARNING, logger="unbroken"):
