@@ -128,7 +128,8 @@ def merge_rank_files(per_rank: list[list[FileEntry]]) -> list[FileEntry]:
 
 def commit(storage: Storage, staging: str, marker: Marker) -> None:
     """Write the marker last and move the checkpoint into place (driver side)."""
-    storage.makedirs(staging)
+    if storage.is_local:  # object stores have no directories (and makedirs there probes the bucket)
+        storage.makedirs(staging)
     faults.point("before_marker")
     storage.write_atomic(f"{staging}/{MARKER}", marker.to_bytes())
     faults.point("after_marker")

@@ -117,6 +117,10 @@ class Lease:
         Raises LeaseLostError when another driver took the run over meanwhile."""
         if force or time.monotonic() - self._last_beat >= self.HEARTBEAT_EVERY_S:
             try:
+                if self._version is None:  # no conditional writes here: look before writing
+                    holder = self.current_holder()
+                    if holder is not None and holder.get("token") != self.token:
+                        raise PreconditionFailed("the lease holds another driver's token")
                 self._write(self._version)
             except PreconditionFailed:
                 holder = self.current_holder() or {}

@@ -34,6 +34,10 @@ DEFAULT_RETRY_S = 120.0
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
               StorageError)
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure")
+# Among those libraries' own exception types (not OSError), the ones that mean "try again":
+# a missing credential or a bad parameter is an answer, not a fault.
+_TRANSIENT_NAMES = ("Connect", "Timeout", "Endpoint", "Disconnect", "Reset", "Incomplete", "Throttl",
+                    "SlowDown", "Unavailable", "Payload", "Streaming")
 
 _CHUNK = 8 << 20
 
@@ -63,7 +67,8 @@ def _transient(e: BaseException) -> bool:
         return False
     if isinstance(e, (OSError, TimeoutError, ConnectionError)):
         return True
-    return type(e).__module__.split(".")[0] in _NETWORK_MODULES
+    name = type(e).__name__
+    return type(e).__module__.split(".")[0] in _NETWORK_MODULES and any(t in name for t in _TRANSIENT_NAMES)
 
 
 def retry_budget_s() -> float:
@@ -135,7 +140,7 @@ class Storage:
         UNBROKEN_STORAGE_RETRY_S seconds. Local filesystems are called once."""
         if self.is_local:
             return fn()
-        deadline, delay = None, 0.2
+        deadline, delay, started = None, 0.2, time.monotonic()
         while True:
             try:
                 return fn()
@@ -149,7 +154,7 @@ class Storage:
                                 self.url(), what, type(e).__name__, e, retry_budget_s())
                 if now + delay > deadline:
                     raise StorageError(
-                        f"storage {self.url()!r} kept failing for {retry_budget_s():g} s while {what}: "
+                        f"storage {self.url()!r} kept failing for {now - started:.0f} s while {what}: "
                         f"{type(e).__name__}: {e}. Hint: check the endpoint, credentials and network; "
                         f"committed checkpoints are intact and restore() continues the run once storage "
                         f"is back ({RETRY_ENV} sets how long to retry)") from e
@@ -192,14 +197,20 @@ class Storage:
     def read_bytes(self, rel: str) -> bytes:
         return self._call(f"reading {rel}", lambda: self.fs.cat_file(self.path(rel)))
 
+    @property
+    def conditional_writes(self) -> bool:
+        """Whether write_conditional is race-free here (S3 and compatible servers)."""
+        return not self.is_local and "s3" in tuple(self.fs.protocol)
+
     def read_versioned(self, rel: str) -> tuple[bytes, str | None]:
-        """The bytes of `rel` and a version tag for write_conditional (None on local storage)."""
-        if self.is_local:
+        """The bytes of `rel` and a version tag for write_conditional (None where the
+        filesystem has no conditional writes)."""
+        if not self.conditional_writes:
             return self.read_bytes(rel), None
         for _ in range(3):  # read and version must belong to the same write
             data = self.read_bytes(rel)
-            etag = str(self._call(f"reading {rel}", lambda: self.fs.info(self._fresh(rel)))["ETag"])
-            if etag.strip('"') == hashlib.md5(data).hexdigest():
+            etag = self._call(f"reading {rel}", lambda: self.fs.info(self._fresh(rel))).get("ETag")
+            if etag is None or etag.strip('"') == hashlib.md5(data).hexdigest():
                 break
         return data, etag
 
@@ -246,9 +257,9 @@ class Storage:
     def write_conditional(self, rel: str, data: bytes, expect: str | None) -> str | None:
         """Write `rel` only if it is still at version `expect` (CREATE: only if absent) and
         return the new version; raise PreconditionFailed otherwise. Object stores that support
-        conditional writes make this race-free; local storage writes atomically and returns None
+        conditional writes make this race-free; elsewhere it writes atomically and returns None
         (callers read back to detect a race)."""
-        if self.is_local or expect is None:
+        if not self.conditional_writes or expect is None:
             self.write_atomic(rel, data)
             return None
         condition = {"mode": "create"} if expect == CREATE else {"IfMatch": expect}
