@@ -315,3 +315,19 @@ def test_stale_lease_is_taken_over_with_a_warning(storage, caplog):
     assert result.metrics["it"] == 4
     assert any("taking over the lease" in r.message for r in caplog.records)
     assert not os.path.exists(lease), "released at the end"
+
+
+def test_a_driver_whose_lease_was_taken_over_stops_writing(storage):
+    from unbroken.errors import LeaseLostError
+    from unbroken.lease import LEASE_JSON, Lease
+    from unbroken.storage import Storage
+
+    store = Storage.from_url(os.path.join(storage, "taken"))
+    store.makedirs(".unbroken")
+    first = Lease(store)
+    first.acquire()
+    record = json.loads(store.read_bytes(LEASE_JSON))
+    store.write_atomic(LEASE_JSON, json.dumps(dict(record, token="another-driver")).encode())
+    with pytest.raises(LeaseLostError, match="taken over by another driver"):
+        first.beat(force=True)
+    assert json.loads(store.read_bytes(LEASE_JSON))["token"] == "another-driver", "not overwritten"

@@ -219,3 +219,16 @@ print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.check
     out = run_script(code, f"{storage}/{name}", **s3_env(s3_endpoint)).stdout
     assert "CAN True False" in out
     assert f"ROWS [1, 2, 3, 4] {storage}/{name}/checkpoint_000004" in out
+
+
+def test_only_faults_are_retried_not_answers():
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError, ReadTimeoutError
+
+    from unbroken.storage import _transient
+
+    assert _transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert _transient(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert _transient(ConnectionResetError())
+    assert not _transient(NoCredentialsError())
+    assert not _transient(FileNotFoundError("no such key"))
+    assert not _transient(PermissionError("access denied"))
