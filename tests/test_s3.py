@@ -22,7 +22,8 @@ from unbroken.train.torch import TorchTrainer
 pytestmark = pytest.mark.usefixtures("s3_endpoint")
 
 DRIVER = """
-import json, sys
+import json, os, sys
+os.chdir(os.environ["HOME"])
 from loops import linear_loop
 from unbroken.train import RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
@@ -33,7 +34,8 @@ print("DONE", result.metrics["training_iteration"], result.metrics["attempt"], f
 """
 
 RESTORE = """
-import os, sys, tempfile
+import os, sys
+os.chdir(os.environ["HOME"])  # a fresh working directory when run as a fresh machine
 from unbroken.train.torch import TorchTrainer
 url = sys.argv[1]
 assert TorchTrainer.can_restore(url), url
