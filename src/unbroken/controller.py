@@ -173,7 +173,8 @@ class Controller:
             experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
             attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
             checkpoint=checkpoint, storage_path=run.storage.url().rsplit("/", 1)[0],
-            cpus=scaling.cpus_per_worker(), use_gpu=scaling.use_gpu)
+            cpus=scaling.cpus_per_worker(), use_gpu=scaling.use_gpu,
+            **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
         return WorkerPayload(info=info, trainer=self._worker_trainer)
 
     def _drive(self, group: Any) -> None:

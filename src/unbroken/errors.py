@@ -103,3 +103,16 @@ class StateMismatchError(UnbrokenError, ValueError):
 
 class UnknownMetricError(UnbrokenError, ValueError):
     """A metric name was asked for that the run never recorded."""
+
+
+class SearchSpaceError(UnbrokenError, ValueError):
+    """A Tuner's param_space holds a value unbroken cannot sample (an unknown search-space
+    object, a domain inside a list, bounds that are out of order)."""
+
+
+class NotASweepError(UnbrokenError, ValueError):
+    """Tuner.restore or Tuner.can_restore was given a path that is not a sweep root."""
+
+
+class SweepMismatchError(IdentityMismatchError):
+    """A sweep's search space or tune settings differ from the ones it was started with."""

@@ -28,10 +28,13 @@ def _ttl() -> float:
 
 
 def _process_start(pid: int) -> str | None:
-    """A token that changes when a pid is reused (Linux); None where it cannot be read."""
+    """A token that changes when a pid is reused (Linux); None where it cannot be read, or
+    where the process has exited and only its zombie is left (e.g. a sweep's trial driver
+    killed with its sweep driver, whose zombie waits for init to reap it)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
     except (OSError, IndexError):
         return None
 

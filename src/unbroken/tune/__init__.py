@@ -1,0 +1,37 @@
+"""unbroken.tune: hyperparameter sweeps whose trials are restorable runs (Ray Tune's API).
+
+Driver side: `Tuner(trainable, param_space=..., tune_config=TuneConfig(...),
+run_config=RunConfig(...)).fit() -> ResultGrid`, `Tuner.restore(path, trainable, ...)`,
+`Tuner.can_restore(path)`, and the search space: `grid_search`, `choice`, `uniform`,
+`quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `randn`.
+Search algorithms are in `unbroken.tune.search`, schedulers in `unbroken.tune.schedulers`.
+
+Worker side (inside the trainable): `report`, `get_checkpoint`, `get_context`, the same
+functions as `unbroken.train`'s.
+"""
+
+from __future__ import annotations
+
+from unbroken.train import get_checkpoint, get_context, report
+from unbroken.tune.result_grid import ResultGrid, TrialResult
+from unbroken.tune.search_space import (
+    choice,
+    grid_search,
+    lograndint,
+    loguniform,
+    qloguniform,
+    qrandint,
+    quniform,
+    randint,
+    randn,
+    uniform,
+)
+from unbroken.tune.tune_config import TuneConfig
+from unbroken.tune.tuner import Tuner
+
+__all__ = [
+    "ResultGrid", "TrialResult", "TuneConfig", "Tuner",
+    "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qrandint", "quniform", "randint",
+    "randn", "uniform",
+    "get_checkpoint", "get_context", "report",
+]

@@ -1,0 +1,230 @@
+"""ASHA early stopping (asynchronous successive halving), with its decisions on disk.
+
+`ASHAScheduler` holds the settings (Ray Tune's names). The decisions are made by
+`TrialStopper`, which is the `RunConfig.stop` of each trial: the trial's driver calls it on
+every metric row, as it does any stop condition. When a trial's `time_attr` reaches a rung
+(grace_period * reduction_factor**k) it has not been judged at, the stopper records the
+trial's value at that rung and stops the trial if the value is below the rung's cutoff, the
+(1 - 1/reduction_factor) quantile of the values recorded there before it. A trial that
+reaches max_t stops too. This is Ray's single-bracket ASHA.
+
+Several trial drivers write at once, so every record is a file of its own:
+`<sweep>/.unbroken/asha/rung_<milestone>/<trial>.json`, and a stop decision is
+`<sweep>/.unbroken/asha/stopped/<trial>.json`. On local storage the read-decide-write step
+holds an exclusive lock (`asha/lock`), so each decision is a function of the records that
+were there at that moment. A trial resumed after a restore is not judged again at rungs it
+was recorded at, and a trial with a stop decision stays stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from unbroken.manifest import META_DIR
+from unbroken.storage import Storage
+
+ASHA_DIR = f"{META_DIR}/asha"
+STOPPED_DIR = f"{ASHA_DIR}/stopped"
+
+
+@dataclass
+class ASHAScheduler:
+    """Stop trials whose `metric` at a rung is below the rung's cutoff.
+
+    `time_attr`: the row field that measures progress (default `training_iteration`);
+    `metric`/`mode` default to TuneConfig's; `max_t`: every trial stops there;
+    `grace_period`: the first rung; `reduction_factor`: rungs are grace_period *
+    reduction_factor**k and roughly 1/reduction_factor of the trials pass each one.
+    Only `brackets=1` is supported.
+    """
+
+    time_attr: str = "training_iteration"
+    metric: str | None = None
+    mode: str | None = None
+    max_t: float = 100
+    grace_period: float = 1
+    reduction_factor: float = 4
+    brackets: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in (None, "min", "max"):
+            raise ValueError(f"ASHAScheduler mode must be 'min' or 'max', got {self.mode!r}")
+        if not self.max_t > 0 or not self.grace_period > 0:
+            raise ValueError("ASHAScheduler needs max_t > 0 and grace_period > 0, got "
+                             f"max_t={self.max_t!r}, grace_period={self.grace_period!r}")
+        if self.grace_period > self.max_t:
+            raise ValueError(f"ASHAScheduler grace_period ({self.grace_period}) must not exceed max_t "
+                             f"({self.max_t})")
+        if not self.reduction_factor > 1:
+            raise ValueError(f"ASHAScheduler reduction_factor must be > 1, got {self.reduction_factor!r}")
+        if self.brackets != 1:
+            raise ValueError(f"ASHAScheduler supports brackets=1 only, got {self.brackets!r}")
+
+    def milestones(self) -> list[float]:
+        """The rungs, lowest first (Ray's: every grace_period * rf**k up to max_t)."""
+        out, m = [], self.grace_period
+        while m <= self.max_t * (1 + 1e-9):
+            out.append(m)
+            m *= self.reduction_factor
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "asha", **asdict(self)}
+
+
+def _rung_dir(milestone: float) -> str:
+    return f"{ASHA_DIR}/rung_{milestone:g}"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation (numpy's default), NaNs ignored."""
+    s = sorted(v for v in values if not math.isnan(v))
+    k = (len(s) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def read_decision(storage: Storage, trial: str) -> dict[str, Any] | None:
+    """The stop decision recorded for `trial`, if any."""
+    try:
+        return json.loads(storage.read_bytes(f"{STOPPED_DIR}/{trial}.json"))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def describe_decision(decision: dict[str, Any]) -> str:
+    return (f"ASHA: {decision['metric']}={decision['value']:.6g} below the cutoff {decision['cutoff']:.6g} "
+            f"of rung {decision['rung']:g} ({decision['time_attr']}={decision['time']:g})")
+
+
+def forget_trial(storage: Storage, trial: str) -> None:
+    """Remove a trial's rung records and stop decision (it is restarted from scratch)."""
+    for name in storage.listdir(ASHA_DIR):
+        if name.startswith("rung_"):
+            storage.remove(f"{ASHA_DIR}/{name}/{trial}.json")
+    storage.remove(f"{STOPPED_DIR}/{trial}.json")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def stop_met(stop: Any, row: dict[str, Any]) -> bool:
+    """RunConfig.stop's meaning: a callable's verdict, or any `key >= threshold` of a dict."""
+    if not stop:
+        return False
+    if callable(stop):
+        return bool(stop(row))
+    return any(key in row and row[key] >= threshold for key, threshold in stop.items())
+
+
+class TrialStopper:
+    """The `RunConfig.stop` of one trial: its own stop condition, then the scheduler's."""
+
+    def __init__(self, trial: str, sweep_url: str, storage_filesystem: Any, scheduler: ASHAScheduler | None,
+                 metric: str | None, mode: str | None, user_stop: Any = None) -> None:
+        self.trial = trial
+        self.sweep_url = sweep_url
+        self.storage_filesystem = storage_filesystem
+        self.scheduler = scheduler
+        self.metric = metric
+        self.mode = mode
+        self.user_stop = user_stop
+        self._storage: Storage | None = None
+        self._recorded: set[float] = set()
+        self._stopped: bool | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_storage=None, _recorded=set(), _stopped=None)
+        return state
+
+    def __repr__(self) -> str:
+        return (f"TrialStopper(trial={self.trial!r}, scheduler={self.scheduler!r}, "
+                f"user_stop={self.user_stop!r})")
+
+    @property
+    def storage(self) -> Storage:
+        if self._storage is None:
+            self._storage = Storage.from_url(self.sweep_url, self.storage_filesystem)
+        return self._storage
+
+    def __call__(self, row: dict[str, Any]) -> bool:
+        if stop_met(self.user_stop, row):
+            return True
+        if self.scheduler is None:
+            return False
+        return self._asha(row)
+
+    def _asha(self, row: dict[str, Any]) -> bool:
+        sched = self.scheduler
+        t, value = row.get(sched.time_attr), row.get(self.metric)
+        if not _number(t) or not _number(value):
+            return False  # rows without the metric are not judged (as in Ray)
+        if self._stopped is None:
+            self._stopped = read_decision(self.storage, self.trial) is not None
+        if self._stopped:
+            return True
+        if t >= sched.max_t:
+            return True
+        reward = value if self.mode == "max" else -value
+        for milestone in reversed(sched.milestones()):
+            if t < milestone or milestone in self._recorded:
+                continue
+            stop = self._judge(milestone, t, value, reward)
+            self._recorded.add(milestone)
+            if stop is None:
+                continue  # recorded at this rung by an earlier attempt
+            self._stopped = stop
+            return stop
+        return False
+
+    def _judge(self, milestone: float, t: float, value: float, reward: float) -> bool | None:
+        """Record this trial at `milestone` and decide; None if it was recorded there already."""
+        storage, rung = self.storage, _rung_dir(milestone)
+        mine = f"{rung}/{self.trial}.json"
+        with self._lock():
+            if storage.exists(mine):
+                return None
+            others = []
+            for name in storage.listdir(rung):
+                if name.endswith(".json") and name != f"{self.trial}.json":
+                    try:
+                        others.append(float(json.loads(storage.read_bytes(f"{rung}/{name}"))["reward"]))
+                    except (FileNotFoundError, ValueError, KeyError, TypeError):
+                        continue
+            others = [r for r in others if not math.isnan(r)]
+            rf = self.scheduler.reduction_factor
+            cutoff = percentile(others, (1 - 1 / rf) * 100) if others else None
+            stop = cutoff is not None and reward < cutoff
+            storage.makedirs(rung)
+            if stop:
+                storage.makedirs(STOPPED_DIR)
+                storage.write_json(f"{STOPPED_DIR}/{self.trial}.json", {
+                    "rung": milestone, "time": t, "time_attr": self.scheduler.time_attr,
+                    "metric": self.metric, "value": value,
+                    "cutoff": cutoff if self.mode == "max" else -cutoff, "reward": reward})
+            storage.write_json(mine, {"reward": reward, "value": value, "time": t})
+            return stop
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        storage = self.storage
+        if not storage.is_local:
+            yield  # object stores: no lock; two trials judged at the same moment may miss each other
+            return
+        import fcntl
+
+        storage.makedirs(ASHA_DIR)
+        with open(storage.path(f"{ASHA_DIR}/lock"), "a") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,14 @@
+"""Search algorithms for `TuneConfig(search_alg=...)` (Ray Tune's names).
+
+- `BasicVariantGenerator(random_state=None)`: random and grid search (the default).
+- `OptunaSearch(metric=None, mode=None, sampler=None, study_name=None)`: an Optuna study
+  kept in SQLite inside the sweep directory (needs `pip install 'unbroken[tune]'`; optuna
+  is imported only when a sweep uses it). Also importable as
+  `unbroken.tune.search.optuna.OptunaSearch`, as in Ray.
+"""
+
+from unbroken.tune.search.basic_variant import BasicVariantGenerator
+from unbroken.tune.search.optuna import OptunaSearch
+from unbroken.tune.search.searcher import Searcher
+
+__all__ = ["BasicVariantGenerator", "OptunaSearch", "Searcher"]

@@ -1,0 +1,383 @@
+"""The sweep driver: runs a sweep's trials, up to the concurrency limit, each in a process of
+its own, and keeps the sweep manifest in step with them.
+
+The driver holds the sweep's lease and is the only writer of sweep.json. It stays able to
+fork: it runs no torch ops and starts no threads. For each trial it starts a process
+(`trial.trial_main`) and then waits, without polling, on the trial processes' sentinels and
+pipes and on the signal pipe; its wait has a timeout only to pace the lease heartbeat.
+When a trial process ends, the driver reads the trial's outcome (its message, its run's
+status, the scheduler's decision), tells the searcher, and saves the manifest.
+
+SIGTERM or SIGINT to the sweep driver is forwarded once to every running trial (trial
+processes have process groups of their own, so a Ctrl-C reaches them only this way); each
+trial's driver then checkpoints and stops as a single run does, no new trial starts, and
+fit() raises TrainingInterruptedError once every trial process has ended. A second signal
+is forwarded too, so the trials stop at once. If the sweep driver is killed, the kernel
+kills the trial processes (PDEATHSIG), and theirs kill their workers; Tuner.restore
+continues from what is on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken import history
+from unbroken import manifest as mf
+from unbroken.engine.local import start_method
+from unbroken.errors import TrainingInterruptedError, UnbrokenError
+from unbroken.lease import Lease
+from unbroken.preemption import Interrupts
+from unbroken.storage import Storage
+from unbroken.tune import asha
+from unbroken.tune import search_space as ss
+from unbroken.tune import sweep as sw
+from unbroken.tune.search.searcher import SearchContext, Searcher
+from unbroken.tune.sweep import TrialRecord
+from unbroken.tune.trial import Carry, TrialPayload, build_trainer, trial_main, trial_run_config
+
+log = logging.getLogger("unbroken")
+
+POLL_S = 1.0
+_TERMINAL = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class ResumeFlags:
+    """What a fit() does with trials that did not finish (Tuner.restore's arguments)."""
+
+    unfinished: bool = True
+    errored: bool = False
+    restart: bool = False
+
+
+@dataclass
+class _Running:
+    record: TrialRecord
+    proc: Any
+    conn: Any
+    message: tuple | None = None
+    conn_open: bool = True
+
+
+@dataclass
+class SweepDriver:
+    """One fit() of a sweep, by the driver that holds the sweep's lease."""
+
+    storage: Storage
+    manifest: sw.SweepManifest
+    previous: bytes | None
+    lease: Lease
+    trainable: Any
+    space: dict[str, Any]
+    run_config: Any
+    searcher: Searcher
+    scheduler: Any
+    metric: str | None
+    mode: str | None
+    concurrency: int
+    total: int
+    verbose: int = 1
+    queue: list[str] = field(default_factory=list)
+    ctx: SearchContext | None = None
+    _method: str = "fork"
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    def save(self) -> None:
+        self.previous = sw.save(self.storage, self.manifest, self.previous)
+
+    def _say(self, message: str, *args: Any) -> None:
+        if self.verbose >= 1:
+            log.info("sweep %s: " + message, self.name, *args)
+
+    def _new_record(self, values: dict[str, Any], searcher_id: Any) -> TrialRecord:
+        index = len(self.manifest.trials)
+        try:
+            config = ss.spec(ss.resolve(self.space, values))
+        except UnbrokenError:
+            config = values
+        record = TrialRecord(index=index, name=sw.trial_name(index), values=values, config=config,
+                             searcher_id=searcher_id)
+        self.manifest.trials.append(record)
+        return record
+
+    def _last_row(self, record: TrialRecord) -> dict[str, Any] | None:
+        rows = history.timeline(history.read_rows(self.storage.child(record.name)))
+        return rows[-1] if rows else None
+
+    def _tell(self, record: TrialRecord) -> None:
+        assert self.ctx is not None
+        self.searcher.on_trial_complete(self.ctx, record, self._last_row(record), record.status == sw.ERROR)
+        record.told = True
+
+    # -- preparing a fit() ------------------------------------------------------------------
+    def prepare(self, flags: ResumeFlags) -> None:
+        """Bring the manifest in step with the trial directories and the searcher, decide which
+        trials this fit() runs, and save."""
+        m = self.manifest
+        m.status = sw.SWEEP_RUNNING
+        for record in m.trials:
+            if record.status not in sw.DONE:
+                self._reconcile(record)
+        self.ctx = SearchContext(storage=self.storage, name=m.name, space=self.space, seed=m.seed,
+                                 metric=self.metric, mode=self.mode, num_samples=m.num_samples)
+        new: list[str] = []
+        for values, searcher_id in self.searcher.open(self.ctx, m.trials):
+            if len(m.trials) < self.total:
+                new.append(self._new_record(values, searcher_id).name)
+                log.warning("sweep %s: adopted %s, which the searcher had proposed when the previous "
+                            "driver stopped", m.name, new[-1])
+        if self.searcher.upfront:
+            while len(m.trials) < self.total:
+                values, searcher_id = self.searcher.propose(self.ctx, len(m.trials))
+                new.append(self._new_record(values, searcher_id).name)
+        for record in m.trials:
+            if record.status in sw.DONE and not record.told:
+                self._tell(record)
+        for record in m.trials:
+            if record.name in new:
+                self.queue.append(record.name)
+            elif record.status in sw.UNFINISHED and flags.unfinished:
+                self.queue.append(record.name)
+            elif record.status == sw.ERROR and (flags.restart or flags.errored):
+                self._rerun(record, restart=flags.restart)
+                self.queue.append(record.name)
+        self.save()
+
+    def _reconcile(self, record: TrialRecord) -> None:
+        """An unfinished trial after a driver that stopped: what its run directory says."""
+        trial = self.storage.child(record.name)
+        decision = asha.read_decision(self.storage, record.name) if self.scheduler is not None else None
+        if decision is not None:
+            record.status, record.stopped_early = sw.TERMINATED, asha.describe_decision(decision)
+            record.ended_at = record.ended_at or time.time()
+            return
+        if not mf.is_run_dir(trial):
+            if record.status == sw.RUNNING:
+                record.status = sw.PENDING
+            return
+        try:
+            run = mf.load(trial)
+        except (UnbrokenError, OSError) as e:
+            record.status, record.error = sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0]
+            return
+        if run.status == mf.FINISHED:
+            record.status, record.error = sw.TERMINATED, None
+        elif run.status == mf.ERRORED:
+            error = next((a.error for a in reversed(run.attempts) if a.error), "the run is ERRORED")
+            record.status, record.error = sw.ERROR, error
+        else:
+            record.status = sw.INTERRUPTED
+        if record.status in sw.DONE:
+            record.ended_at = record.ended_at or time.time()
+
+    def _rerun(self, record: TrialRecord, restart: bool) -> None:
+        """An errored trial runs again: resumed from its checkpoints, or restarted from scratch
+        with its old run directory kept under .unbroken/restarted/."""
+        record.reruns += 1
+        if restart:
+            record.restarts += 1
+            if self.storage.exists(record.name):
+                self.storage.makedirs(sw.RESTARTED_DIR)
+                aside = f"{sw.RESTARTED_DIR}/{record.name}.{record.restarts}"
+                self.storage.rename(record.name, aside)
+                log.info("sweep %s: %s restarts from scratch; its old run is kept in %s",
+                         self.name, record.name, aside)
+            if self.scheduler is not None:
+                asha.forget_trial(self.storage, record.name)
+        record.status, record.error, record.stopped_early, record.told = sw.PENDING, None, None, False
+
+    # -- running ----------------------------------------------------------------------------
+    def _next(self) -> TrialRecord | None:
+        while self.queue:
+            record = self.manifest.trial(self.queue.pop(0))
+            if record is not None and record.status not in sw.DONE:
+                return record
+        if len(self.manifest.trials) < self.total:
+            assert self.ctx is not None
+            values, searcher_id = self.searcher.propose(self.ctx, len(self.manifest.trials))
+            record = self._new_record(values, searcher_id)
+            self.save()
+            return record
+        return None
+
+    def _trainer(self, record: TrialRecord) -> Any:
+        config = ss.resolve(self.space, record.values)
+        base = getattr(self.trainable, "run_config", None)
+        user_stop = self.run_config.stop or (base.stop if base is not None else None)
+        stop = user_stop
+        if self.scheduler is not None:
+            stop = asha.TrialStopper(record.name, self.storage.url(), self.run_config.storage_filesystem,
+                                     self.scheduler, self.metric, self.mode, user_stop)
+        rc = trial_run_config(self.run_config, record.name, self.storage.url(), stop, base)
+        return build_trainer(self.trainable, config, rc)
+
+    def _launch(self, record: TrialRecord) -> _Running | None:
+        try:
+            trainer = self._trainer(record)
+        except Exception as e:  # a config the trainer refuses: the trial fails, the sweep goes on
+            self._ended(record, sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0])
+            return None
+        url = self.storage.url(record.name)
+        info = {"trial_name": record.name, "trial_id": f"{self.manifest.sweep_id[:8]}_{record.index:05d}",
+                "trial_dir": url}
+        # Forked when this process is fork-safe (as the local engine decides for its workers);
+        # otherwise spawned, not taken from a forkserver: a forkserver's children keep it
+        # alive, so they would not die with this driver, while a spawned trial's parent is this
+        # driver and PDEATHSIG applies. (Spawning re-imports the main script, which must guard
+        # its sweep with `if __name__ == "__main__":`, as with any multiprocessing spawn.)
+        self._method = "fork" if start_method() == "fork" else "spawn"
+        ctx = mp.get_context(self._method)
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=trial_main, name=f"unbroken-trial-{record.name}",
+                           args=(Carry(TrialPayload(trainer, url, info)), writer, os.getpid()))
+        # Blocked around the fork: a signal meant for the sweep cannot hit the new process
+        # while it still has the sweep driver's handlers; it is delivered after the fork.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, set(_TERMINAL))
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        writer.close()
+        record.status, record.started_at, record.ended_at, record.error = sw.RUNNING, time.time(), None, None
+        self.save()
+        return _Running(record, proc, reader)
+
+    def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
+        record.status, record.error, record.ended_at = status, error, time.time()
+        if status == sw.TERMINATED and self.scheduler is not None:
+            decision = asha.read_decision(self.storage, record.name)
+            record.stopped_early = asha.describe_decision(decision) if decision else None
+        if status in sw.DONE:
+            self._tell(record)
+        self.save()
+        detail = ""
+        if status == sw.ERROR:
+            detail = f": {error}"
+        elif status == sw.TERMINATED:
+            row = self._last_row(record) or {}
+            if self.metric in row:
+                detail = f" ({self.metric}={row[self.metric]})"
+            if record.stopped_early:
+                detail += f", stopped early by {record.stopped_early}"
+        self._say("%s %s%s", record.name, status, detail)
+
+    def _collect(self, running: _Running, stopping: bool) -> None:
+        """A trial process ended: record what became of the trial."""
+        record, message = running.record, running.message
+        kind = message[0] if message else None
+        exitcode = running.proc.exitcode
+        if kind == "done":
+            self._ended(record, sw.TERMINATED)
+        elif kind == "interrupted":
+            self._ended(record, sw.INTERRUPTED)
+        elif kind == "error":
+            if stopping and message[1] == "KeyboardInterrupt":
+                self._ended(record, sw.INTERRUPTED)
+            else:
+                self._ended(record, sw.ERROR, message[2])
+        elif stopping:
+            self._ended(record, sw.INTERRUPTED)
+        else:
+            how = (f"was killed by {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0
+                   else f"exited with code {exitcode}")
+            hint = ""
+            if self._method == "spawn":
+                hint = (" (it was spawned: if the sweep's script has no `if __name__ == '__main__':` "
+                        "guard, the spawned process ran the script again; see its stderr)")
+            self._ended(record, sw.ERROR,
+                        f"the trial's driver process {how} without reporting an outcome{hint}")
+
+    def execute(self) -> None:
+        """Run the queued and newly proposed trials; raise TrainingInterruptedError on a signal."""
+        running: dict[str, _Running] = {}
+        forwarded = 0
+        with Interrupts() as interrupts:
+            try:
+                while True:
+                    self.lease.beat()
+                    if interrupts.count > forwarded:
+                        forwarded = interrupts.count
+                        signum = signal.Signals[interrupts.signal_name or "SIGTERM"]
+                        log.warning("sweep %s: %s received: forwarded to %d running trial(s), which "
+                                    "checkpoint and stop; no new trial starts", self.name, signum.name,
+                                    len(running))
+                        for r in running.values():
+                            try:
+                                os.kill(r.proc.pid, signum)
+                            except ProcessLookupError:
+                                pass
+                    while not forwarded and len(running) < self.concurrency:
+                        record = self._next()
+                        if record is None:
+                            break
+                        started = self._launch(record)
+                        if started is not None:
+                            running[record.name] = started
+                            self._say("%s started (%d running, at most %d) with %s", record.name,
+                                      len(running), self.concurrency, record.config)
+                    if not running:
+                        break
+                    waits: list[Any] = [interrupts]
+                    for r in running.values():
+                        waits.append(r.proc.sentinel)
+                        if r.conn_open:
+                            waits.append(r.conn)
+                    ready = mp.connection.wait(waits, timeout=POLL_S)
+                    if interrupts in ready:
+                        interrupts.drain()
+                    for name, r in list(running.items()):
+                        if r.conn_open and (r.conn in ready or r.proc.sentinel in ready):
+                            self._read(r)
+                        if r.proc.sentinel in ready:
+                            r.proc.join()
+                            if r.conn_open:
+                                self._read(r)
+                            del running[name]
+                            self._collect(r, stopping=bool(forwarded))
+            except BaseException:
+                for r in running.values():
+                    r.proc.kill()
+                for r in running.values():
+                    r.proc.join()
+                raise
+        if forwarded:
+            self._interrupted(interrupts.signal_name or "a signal")
+        trials = self.manifest.trials
+        done = all(t.status in sw.DONE for t in trials) and len(trials) >= self.total
+        self.manifest.status = sw.SWEEP_FINISHED if done else sw.SWEEP_INCOMPLETE
+        self.save()
+        counts = self.manifest.counts()
+        self._say("%s: %s", self.manifest.status, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+
+    @staticmethod
+    def _read(r: _Running) -> None:
+        try:
+            while r.conn.poll():
+                r.message = r.conn.recv()
+        except (EOFError, OSError):
+            r.conn_open = False
+            r.conn.close()
+
+    def _interrupted(self, signal_name: str) -> None:
+        self.manifest.status = sw.SWEEP_INTERRUPTED
+        self.save()
+        counts = self.manifest.counts()
+        unfinished = (sum(counts.get(s, 0) for s in sw.UNFINISHED)
+                      + max(0, self.total - len(self.manifest.trials)))
+        path = self.storage.url()
+        raise TrainingInterruptedError(
+            f"sweep {path!r} was interrupted by {signal_name}: {counts.get(sw.TERMINATED, 0)} trial(s) "
+            f"finished, {counts.get(sw.ERROR, 0)} errored, {unfinished} unfinished; every running trial "
+            f"checkpointed and stopped.\nContinue it with Tuner.restore({path!r}, trainable).fit(), or by "
+            "running the same script again with the same RunConfig(name=..., storage_path=...)")

@@ -1,0 +1,225 @@
+"""One trial: the trainer that runs it, and the process that drives it.
+
+A trial is an ordinary run. Its trainer is a `DataParallelTrainer` with one worker around a
+function trainable, or the user's Trainer rebuilt with the trial's config merged into its
+arguments; its run directory is `<sweep>/<trial name>/`. The sweep driver starts one
+process per running trial (forked when that is safe, like the local engine's workers); that
+process calls the trainer's `fit()` -- a normal single-run driver with its own worker
+processes, lease, retries and checkpoints -- and reports how it ended through a pipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from unbroken import manifest as mf
+from unbroken import restore as rs
+from unbroken.config import FailureConfig, RunConfig, ScalingConfig
+from unbroken.errors import TrainingInterruptedError
+from unbroken.lease import live_holder
+from unbroken.storage import Storage
+from unbroken.trainer import BaseTrainer, DataParallelTrainer
+
+log = logging.getLogger("unbroken")
+
+# How long a trial's process waits for a leftover driver of the same trial to exit.
+PREVIOUS_DRIVER_WAIT_S = 30.0
+# Constructor arguments a param_space may not set: the sweep decides where each trial lives.
+_RESERVED = ("run_config",)
+
+
+def check_trainable(trainable: Any) -> None:
+    if isinstance(trainable, BaseTrainer):
+        return
+    if isinstance(trainable, type):
+        raise TypeError(f"Tuner needs a function or a Trainer instance, got the class {trainable.__name__}. "
+                        f"Hint: pass {trainable.__name__}(...) built with its arguments, or a function "
+                        "(config) -> None that calls tune.report")
+    if not callable(trainable):
+        raise TypeError(f"Tuner needs a function (config) -> None or a Trainer instance, got {trainable!r}")
+
+
+def trainable_name(trainable: Any) -> str:
+    if isinstance(trainable, BaseTrainer):
+        return type(trainable).__name__
+    return getattr(trainable, "__name__", type(trainable).__name__)
+
+
+def check_param_space_keys(trainable: Any, space: dict[str, Any]) -> None:
+    """A Trainer's param_space keys must be its constructor arguments (other than run_config)."""
+    if not isinstance(trainable, BaseTrainer):
+        return
+    cls = type(trainable)
+    valid = set(rs.init_param_names(cls)) | set(trainable._init_args)
+    for key in space:
+        if key in _RESERVED or key not in valid:
+            allowed = sorted(valid - set(_RESERVED))
+            raise ValueError(
+                f"param_space key {key!r} is not an argument {cls.__name__} lets a sweep set. Hint: with a "
+                f"Trainer, param_space keys are its constructor arguments ({', '.join(allowed)}); put "
+                "hyperparameters under 'train_loop_config', e.g. {'train_loop_config': {'lr': "
+                "tune.loguniform(1e-4, 1e-1)}}")
+
+
+def cpus_per_trial(trainable: Any) -> float:
+    """CPUs one trial takes: its workers times their CPU resources (1 each by default)."""
+    if not isinstance(trainable, BaseTrainer):
+        return 1.0
+    scaling = trainable.scaling_config
+    per_worker = (scaling.resources_per_worker or {}).get("CPU") or 1
+    return float(scaling.num_workers * per_worker)
+
+
+def _merge(base: Any, override: Any) -> Any:
+    """`override` deep-merged into `base` (dicts merge key by key; anything else replaces)."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = _merge(base.get(key), value) if key in base else value
+        return out
+    return override
+
+
+def trial_run_config(sweep: RunConfig, trial: str, sweep_url: str, stop: Any,
+                     base: RunConfig | None = None) -> RunConfig:
+    """The RunConfig of one trial: its directory in the sweep, and the settings of the sweep's
+    RunConfig (a Trainer's own settings where the sweep's are left at their defaults)."""
+    base = base or RunConfig()
+    failure = sweep.failure_config if sweep.failure_config != FailureConfig() else base.failure_config
+    checkpoint = (sweep.checkpoint_config if sweep.checkpoint_config != RunConfig().checkpoint_config
+                  else base.checkpoint_config)
+    callbacks = list(base.callbacks or []) + list(sweep.callbacks or [])
+    return RunConfig(name=trial, storage_path=sweep_url, storage_filesystem=sweep.storage_filesystem,
+                     failure_config=failure, checkpoint_config=checkpoint, stop=stop,
+                     callbacks=callbacks or None, verbose=sweep.verbose if sweep.verbose >= 2 else 0,
+                     resume="auto")
+
+
+def build_trainer(trainable: Any, config: dict[str, Any], run_config: RunConfig) -> BaseTrainer:
+    """The trainer that runs one trial with `config`."""
+    if not isinstance(trainable, BaseTrainer):
+        one_cpu = ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1})
+        return DataParallelTrainer(trainable, train_loop_config=config, scaling_config=one_cpu,
+                                   run_config=run_config)
+    args = dict(trainable._init_args)
+    for key, value in config.items():
+        args[key] = _merge(args.get(key), value)
+    scaling = args.get("scaling_config")
+    if isinstance(scaling, ScalingConfig) and scaling.resources_per_worker is None:
+        # What the concurrency limit assumed; otherwise each trial's workers would split the
+        # whole machine between them while other trials run too.
+        args["scaling_config"] = dataclasses.replace(scaling, resources_per_worker={"CPU": 1})
+    args["run_config"] = run_config
+    return type(trainable)(**args)
+
+
+# -- the trial's process ----------------------------------------------------------------------
+@dataclass
+class TrialPayload:
+    trainer: BaseTrainer
+    path: str                 # the trial's run directory
+    info: dict[str, Any]      # trial_name, trial_id, trial_dir for train.get_context()
+
+
+class Carry:
+    """Carries the payload to a trial process that is not forked (cloudpickle, so functions
+    defined in __main__ travel too). Under fork it is never pickled at all."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __reduce__(self):
+        return (_uncarry, (cloudpickle.dumps(self.obj),))
+
+
+def _uncarry(data: bytes) -> Carry:
+    return Carry(cloudpickle.loads(data))
+
+
+def _set_up_process(parent_pid: int | None) -> None:
+    # The sweep driver's signal handlers were inherited through fork: restore the defaults
+    # (the trial's Controller installs its own), in a process group of its own, so that a
+    # Ctrl-C reaches only the sweep driver, which forwards it once to each trial.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        os.setpgrp()
+    except OSError:
+        pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the sweep driver died before prctl took effect
+    # The driver blocked these signals around the fork; one that arrived meanwhile lands now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def _wait_for_previous_driver(storage: Storage) -> None:
+    """A trial driver left over from a sweep driver that was killed a moment ago is dying
+    (PDEATHSIG) but may still hold the trial's lease: wait for that process to exit (woken by
+    the exit itself) rather than fail with LeaseHeldError. Only the sweep driver holding the
+    sweep's lease starts trial drivers, so a live holder on this host is such a leftover."""
+    holder = live_holder(storage)
+    if holder is None or holder.get("host") != socket.gethostname() or holder.get("pid") == os.getpid():
+        return
+    try:
+        fd = os.pidfd_open(int(holder["pid"]))
+    except (AttributeError, OSError, ValueError, KeyError):
+        return
+    try:
+        log.info("trial %s: waiting for the previous driver of this trial (pid %s) to exit",
+                 storage.url(), holder["pid"])
+        select.select([fd], [], [], PREVIOUS_DRIVER_WAIT_S)
+    finally:
+        os.close(fd)
+
+
+def run_trial(payload: TrialPayload) -> str:
+    """Fit the trial's run: start it, or continue it from its latest committed checkpoint."""
+    trainer = payload.trainer
+    storage = Storage.from_url(payload.path, trainer.run_config.storage_filesystem)
+    if mf.is_run_dir(storage):
+        _wait_for_previous_driver(storage)
+        if mf.load(storage).status == mf.FINISHED:
+            return mf.FINISHED
+        # Every argument is re-specified, so nothing stored is unpickled, and a param_space
+        # constant re-specified on Tuner.restore amends the run (logged) instead of being refused.
+        trainer = type(trainer).restore(payload.path, **trainer._init_args)
+    trainer._trial_info = payload.info
+    return trainer.fit().status or mf.FINISHED
+
+
+def trial_main(carry: Carry, conn: Any, parent_pid: int | None) -> None:
+    """The body of a trial's process."""
+    _set_up_process(parent_pid)
+    try:
+        status = run_trial(carry.obj)
+        message: tuple = ("done", status)
+    except TrainingInterruptedError as e:
+        message = ("interrupted", str(e).splitlines()[0])
+    except BaseException as e:  # noqa: BLE001 - everything is reported to the sweep driver
+        first = str(e).splitlines()[0] if str(e) else ""
+        message = ("error", type(e).__name__, f"{type(e).__name__}: {first}"[:500], traceback.format_exc())
+    try:
+        conn.send(message)
+        conn.close()
+    except OSError:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+

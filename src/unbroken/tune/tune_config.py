@@ -1,0 +1,48 @@
+"""TuneConfig: how a sweep searches (Ray Tune's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass
+class TuneConfig:
+    """How many trials a sweep runs, how they are proposed and scheduled, and which metric
+    ranks them.
+
+    - `num_samples`: how many times the param_space is sampled; a param_space with grid
+      searches is repeated `num_samples` times, as in Ray Tune.
+    - `max_concurrent_trials`: at most this many trials run at once (also bounded by the
+      CPUs of this machine and the CPUs one trial uses).
+    - `search_alg`: None (random and grid search), `BasicVariantGenerator(random_state=...)`
+      or `OptunaSearch(...)` from `unbroken.tune.search`.
+    - `scheduler`: None (every trial runs to its end) or `ASHAScheduler(...)` from
+      `unbroken.tune.schedulers`.
+    - `seed`: the seed of random search (and of Optuna's default sampler). None: a random
+      seed is drawn when the sweep starts and stored with it, so a restored sweep proposes
+      what the uninterrupted one would have.
+    """
+
+    metric: str | None = None
+    mode: Literal["min", "max"] | None = None
+    search_alg: Any = None
+    scheduler: Any = None
+    num_samples: int = 1
+    max_concurrent_trials: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in (None, "min", "max"):
+            raise ValueError(f"TuneConfig.mode must be 'min' or 'max', got {self.mode!r}")
+        n = self.num_samples
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"TuneConfig.num_samples must be an int >= 1, got {self.num_samples!r}")
+        if self.max_concurrent_trials is not None and (
+                not isinstance(self.max_concurrent_trials, int) or self.max_concurrent_trials < 1):
+            raise ValueError("TuneConfig.max_concurrent_trials must be None or an int >= 1, got "
+                             f"{self.max_concurrent_trials!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"TuneConfig.seed must be None or an int, got {self.seed!r}")
+        if self.metric is not None and not isinstance(self.metric, str):
+            raise ValueError(f"TuneConfig.metric must be a metric name, got {self.metric!r}")

@@ -1,0 +1,547 @@
+"""Tuner: fit, restore and can_restore for sweeps.
+
+A sweep is `<storage_path>/<RunConfig name>/`, with `.unbroken/sweep.json` (the manifest),
+`.unbroken/tuner.pkl` (the Tuner arguments that are not plain data), `.unbroken/trainer.pkl`
+(a Trainer trainable's non-JSON arguments, saved as a run saves them), `.unbroken/lease.json`
+and one run directory per trial. The restore rules mirror a single run's:
+
+- Running the same script again resumes the sweep (`RunConfig.resume="auto"`), once its
+  identity (trainable kind, param_space, num_samples, metric, mode, search algorithm,
+  scheduler, an explicit seed) matches; otherwise SweepMismatchError shows the difference
+  and the ways out. max_concurrent_trials and the RunConfig settings may change.
+- `Tuner.restore(path, trainable, ...)` continues a sweep on purpose, and may extend it
+  (`tune_config=TuneConfig(num_samples=larger)`) or re-specify param_space values (not
+  its keys or search domains).
+- A finished sweep returns its stored results without starting anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import posixpath
+import random
+import time
+from typing import Any
+
+import cloudpickle
+
+from unbroken import manifest as mf
+from unbroken import restore as rs
+from unbroken.config import RunConfig
+from unbroken.errors import (
+    RestoreArgumentError,
+    RunExistsError,
+    RunNotFoundError,
+    SweepMismatchError,
+    TrainerClassMismatchError,
+    UnsavableArgumentError,
+)
+from unbroken.lease import Lease
+from unbroken.storage import Storage
+from unbroken.trainer import BaseTrainer
+from unbroken.tune import search_space as ss
+from unbroken.tune import sweep as sw
+from unbroken.tune.asha import ASHAScheduler
+from unbroken.tune.result_grid import ResultGrid
+from unbroken.tune.schedulers import FIFOScheduler
+from unbroken.tune.search.basic_variant import BasicVariantGenerator
+from unbroken.tune.search.searcher import Searcher
+from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver
+from unbroken.tune.trial import check_param_space_keys, check_trainable, cpus_per_trial, trainable_name
+from unbroken.tune.tune_config import TuneConfig
+
+log = logging.getLogger("unbroken")
+
+_FRESH_META = ("lease.json", "tuner.pkl", "trainer.pkl")
+
+
+class Tuner:
+    """A hyperparameter sweep whose trials are restorable runs.
+
+    `trainable`: a function `(config) -> None` that calls `tune.report` (it runs as a
+    one-worker `DataParallelTrainer`, so `tune.get_checkpoint` resumes it), or a Trainer
+    instance, whose constructor arguments each trial overrides with the param_space
+    (`param_space["train_loop_config"]` is merged into its `train_loop_config`).
+    """
+
+    def __init__(self, trainable: Any, *, param_space: dict[str, Any] | None = None,
+                 tune_config: TuneConfig | None = None, run_config: RunConfig | None = None) -> None:
+        check_trainable(trainable)
+        if param_space is not None and not isinstance(param_space, dict):
+            raise TypeError(f"param_space must be a dict, got {type(param_space).__name__}")
+        self.param_space: dict[str, Any] = dict(param_space or {})
+        ss.leaves(self.param_space)  # refuses values it cannot sample, now
+        check_param_space_keys(trainable, self.param_space)
+        if tune_config is not None and not isinstance(tune_config, TuneConfig):
+            raise TypeError(f"tune_config must be a TuneConfig, got {type(tune_config).__name__}")
+        if run_config is not None and not isinstance(run_config, RunConfig):
+            raise TypeError(f"run_config must be a RunConfig, got {type(run_config).__name__}")
+        self.trainable = trainable
+        self.tune_config = tune_config or TuneConfig()
+        run_config = run_config or RunConfig()
+        if not run_config.name:
+            name = f"{trainable_name(trainable)}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+            run_config = dataclasses.replace(run_config, name=name)
+        self.run_config = run_config
+        self._searcher = _searcher(self.tune_config)
+        self._scheduler = _scheduler(self.tune_config)
+        self.metric, self.mode = _metric_mode(self.tune_config, self._searcher, self._scheduler)
+        self._restored_from: str | None = None
+        self._flags = ResumeFlags()
+
+    # -- where the sweep lives --------------------------------------------------------------
+    def _storage(self) -> Storage:
+        rc = self.run_config
+        if self._restored_from is not None:
+            return Storage.from_url(self._restored_from, rc.storage_filesystem)
+        root = Storage.from_url(rc.resolved_storage_path(), rc.storage_filesystem)
+        return root.child(rc.name)
+
+    @property
+    def path(self) -> str:
+        """The sweep directory, <storage_path>/<name>."""
+        return self._storage().url()
+
+    # -- fit --------------------------------------------------------------------------------
+    def fit(self) -> ResultGrid:
+        """Run the sweep's trials (resuming it if it exists) and return their results.
+
+        Trial failures do not raise: they are in `ResultGrid.errors`. SIGTERM/SIGINT
+        checkpoints and stops the running trials and raises TrainingInterruptedError with the
+        restore call in its message.
+        """
+        driver = self._open()
+        if driver is not None:
+            try:
+                driver.execute()
+            finally:
+                driver.searcher.close()
+                driver.lease.release()
+            self._flags = ResumeFlags()  # applied; a second fit() returns the stored results
+        return self.get_results()
+
+    def get_results(self) -> ResultGrid:
+        """The results of the sweep as they are on storage (works on a restored Tuner without fit())."""
+        storage = self._storage()
+        if not sw.is_sweep_dir(storage):
+            if mf.is_run_dir(storage):
+                raise sw.not_a_sweep(storage)
+            raise RunNotFoundError(f"no sweep at {storage.url()!r} yet. Hint: call fit() first")
+        manifest = sw.load(storage)
+        return ResultGrid.read(storage, manifest, self.param_space, self.metric, self.mode)
+
+    def _open(self) -> SweepDriver | None:
+        """Apply the restore rules; returns the driver to run, or None when there is nothing to
+        run. Raises before writing anything when the sweep must not start."""
+        rc, tc = self.run_config, self.tune_config
+        restored = self._restored_from is not None
+        storage = self._storage()
+        path = storage.url()
+        saved = _encode(self)  # fails now if an argument cannot be saved
+        total = self._searcher.total(self.param_space, tc.num_samples)
+        self._searcher.check(storage, self.metric, self.mode)
+        identity = self._identity()
+
+        manifest = None
+        if sw.is_sweep_dir(storage):
+            manifest = sw.load(storage)
+            if not restored:
+                if rc.resume == "never":
+                    raise RunExistsError(
+                        f"a sweep already exists at {path!r} and RunConfig(resume='never') refuses to "
+                        "continue it. Hint: choose a new name, or use resume='auto' to continue it")
+                _check_identity(manifest, identity, path)
+            if self._nothing_to_do(manifest, total):
+                log.info("sweep %s has nothing left to run; returning its stored results", path)
+                return None
+        else:
+            if mf.is_run_dir(storage):
+                raise RunExistsError(f"{path!r} is a single run, not a sweep; it is left untouched. "
+                                     "Hint: give the Tuner's RunConfig another name")
+            if not _is_fresh_dir(storage):
+                raise RunExistsError(f"{path!r} exists and is not an unbroken sweep; it is left untouched. "
+                                     "Hint: choose another RunConfig(name=...) or storage_path")
+            if rc.resume == "must":
+                raise RunNotFoundError(f"no sweep at {path!r} and RunConfig(resume='must') requires one. "
+                                       "Hint: check name and storage_path, or use resume='auto'")
+
+        storage.makedirs(mf.META_DIR)
+        lease = Lease(storage)
+        lease.acquire()
+        try:
+            previous = None
+            if manifest is not None:
+                manifest = sw.load(storage)  # again, under the lease
+                previous = manifest.to_bytes()
+            else:
+                seed, given = self._seed()
+                manifest = sw.SweepManifest(name=posixpath.basename(path), seed=seed, seed_given=given)
+            _write(storage, manifest, saved)
+            manifest.identity = identity
+            manifest.searcher = self._searcher.describe()
+            manifest.scheduler = self._scheduler.describe() if self._scheduler is not None else None
+            manifest.num_samples, manifest.total_trials = tc.num_samples, total
+            manifest.max_concurrent_trials = tc.max_concurrent_trials
+            driver = SweepDriver(
+                storage=storage, manifest=manifest, previous=previous, lease=lease, trainable=self.trainable,
+                space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
+                metric=self.metric, mode=self.mode, concurrency=self._concurrency(total), total=total,
+                verbose=rc.verbose)
+            driver.save()  # the sweep exists from here on
+            driver.prepare(self._flags)
+            return driver
+        except BaseException:
+            self._searcher.close()
+            lease.release()
+            raise
+
+    def _nothing_to_do(self, manifest: sw.SweepManifest, total: int) -> bool:
+        if len(manifest.trials) < total:
+            return False
+        flags = self._flags
+        for t in manifest.trials:
+            if t.status in sw.UNFINISHED and flags.unfinished:
+                return False
+            if t.status == sw.ERROR and (flags.errored or flags.restart):
+                return False
+        return True
+
+    def _concurrency(self, total: int) -> int:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        by_cpus = max(1, int(cpus // cpus_per_trial(self.trainable)))
+        wanted = self.tune_config.max_concurrent_trials or by_cpus
+        if wanted > by_cpus:
+            log.info("sweep %s: max_concurrent_trials=%d, but %d CPU(s) fit only %d trial(s) at once",
+                     self.run_config.name, wanted, cpus, by_cpus)
+        return max(1, min(wanted, by_cpus, max(total, 1)))
+
+    def _seed(self) -> tuple[int, bool]:
+        given = self._seed_given()
+        if given is not None:
+            return int(given), True
+        return random.SystemRandom().randrange(2 ** 31), False
+
+    def _identity(self) -> dict[str, Any]:
+        """What makes a sweep this sweep (compared on auto-resume)."""
+        tc, t = self.tune_config, self.trainable
+        ident: dict[str, Any] = {
+            "trainable": (rs.identity(type(t), t._init_args) if isinstance(t, BaseTrainer)
+                          else {"kind": "function"}),
+            "param_space": ss.spec(self.param_space),
+            "num_samples": tc.num_samples, "metric": self.metric, "mode": self.mode,
+            "search_alg": self._searcher.describe(),
+            "scheduler": self._scheduler.describe() if self._scheduler is not None else None,
+        }
+        seed = self._seed_given()
+        if seed is not None:
+            ident["seed"] = seed
+        return ident
+
+    def _seed_given(self) -> int | None:
+        given = getattr(self._searcher, "random_state", None)
+        return given if given is not None else self.tune_config.seed
+
+    # -- restore ----------------------------------------------------------------------------
+    @classmethod
+    def restore(cls, path: str | os.PathLike, trainable: Any = None, resume_unfinished: bool = True,
+                resume_errored: bool = False, restart_errored: bool = False,
+                param_space: dict[str, Any] | None = None, tune_config: TuneConfig | None = None,
+                storage_filesystem: Any = None) -> Tuner:
+        """Rebuild the Tuner of the sweep at `path`; its fit() continues the sweep.
+
+        - finished trials are kept; unfinished ones continue from their latest checkpoints
+          (`resume_unfinished=False`: they are left as they are);
+        - errored trials are skipped, resumed from their checkpoints (`resume_errored`) or
+          restarted from scratch (`restart_errored`, which wins over resume_errored; the old
+          run directory is kept under .unbroken/restarted/);
+        - `trainable`: pass it again as Ray requires, or leave it None to load the saved one;
+        - `param_space` may re-specify values (new objects, datasets) but not its keys or
+          search domains;
+        - `tune_config=TuneConfig(num_samples=larger)` extends the sweep on purpose;
+          its `max_concurrent_trials` replaces the saved one; its other settings must be
+          None or equal to the saved ones.
+        """
+        storage = Storage.from_url(os.fspath(path), storage_filesystem)
+        if not sw.is_sweep_dir(storage):
+            if not storage.exists():
+                raise RunNotFoundError(f"no sweep at {storage.url()!r}: the path does not exist. Hint: a "
+                                       "sweep is <storage_path>/<RunConfig name>")
+            raise sw.not_a_sweep(storage)
+        manifest = sw.load(storage)
+        url = storage.url()
+        loader = _Saved(storage, manifest, url)
+        if trainable is None:
+            trainable = loader.trainable()
+        else:
+            _check_trainable_matches(manifest, trainable, url)
+        space = loader.param_space()
+        if param_space is not None:
+            _check_same_shape(space, param_space, url)
+            space = param_space
+        tc = loader.tune_config()
+        if tune_config is not None:
+            tc = _amend_tune_config(tc, tune_config, manifest, url)
+        rc = loader.run_config() or RunConfig()
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        rc = dataclasses.replace(rc, name=name, storage_path=url[: -len(name) - 1],
+                                 storage_filesystem=storage_filesystem or rc.storage_filesystem)
+        tuner = cls(trainable, param_space=space, tune_config=tc, run_config=rc)
+        tuner._restored_from = url
+        tuner._flags = ResumeFlags(unfinished=resume_unfinished, errored=resume_errored or restart_errored,
+                                   restart=restart_errored)
+        return tuner
+
+    @classmethod
+    def can_restore(cls, path: str | os.PathLike, storage_filesystem: Any = None) -> bool:
+        """True only if `path` is the root of a sweep that can be read."""
+        try:
+            storage = Storage.from_url(os.fspath(path), storage_filesystem)
+            if not sw.is_sweep_dir(storage):
+                return False
+            sw.load(storage)
+        except (OSError, ValueError):
+            return False
+        return True
+
+
+# -- tune config pieces ------------------------------------------------------------------------
+def _searcher(tc: TuneConfig) -> Searcher:
+    alg = tc.search_alg
+    if alg is None:
+        return BasicVariantGenerator()
+    if not isinstance(alg, Searcher):
+        raise TypeError(f"TuneConfig.search_alg must be a searcher from unbroken.tune.search "
+                        f"(BasicVariantGenerator, OptunaSearch), got {type(alg).__name__}")
+    return alg
+
+
+def _scheduler(tc: TuneConfig) -> ASHAScheduler | None:
+    sched = tc.scheduler
+    if sched is None or isinstance(sched, FIFOScheduler):
+        return None
+    if not isinstance(sched, ASHAScheduler):
+        raise TypeError(f"TuneConfig.scheduler must be ASHAScheduler or FIFOScheduler from "
+                        f"unbroken.tune.schedulers, got {type(sched).__name__}")
+    return sched
+
+
+def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: ASHAScheduler | None
+                 ) -> tuple[str | None, str | None]:
+    metric, mode = tc.metric, tc.mode
+    for owner in (searcher, scheduler):
+        for attr in ("metric", "mode"):
+            value = getattr(owner, attr, None)
+            current = metric if attr == "metric" else mode
+            if value is None:
+                continue
+            if current is not None and value != current:
+                raise ValueError(f"{type(owner).__name__}({attr}={value!r}) disagrees with "
+                                 f"TuneConfig({attr}={current!r}). Hint: set it in one place")
+            if attr == "metric":
+                metric = value
+            else:
+                mode = value
+    if scheduler is not None and (metric is None or mode is None):
+        raise ValueError("ASHAScheduler needs a metric and a mode. Hint: TuneConfig(metric='loss', "
+                         "mode='min', scheduler=ASHAScheduler(...))")
+    return metric, mode
+
+
+# -- saving the Tuner's arguments -----------------------------------------------------------------
+@dataclasses.dataclass
+class _Encoded:
+    params: dict[str, Any]
+    pickles: dict[str, bytes]
+    trainable: dict[str, Any]
+    trainer_pickles: dict[str, bytes] | None
+
+
+def _encode_one(label: str, value: Any, json_out: dict[str, Any], key: str,
+                pickles: dict[str, bytes], pickle_key: str) -> None:
+    """JSON into json_out[key] where the value is plain data; else a cloudpickle in pickles."""
+    try:
+        json_out[key] = rs.encode(value)
+    except Exception:
+        try:
+            pickles[pickle_key] = cloudpickle.dumps(value)
+        except Exception as e:
+            raise UnsavableArgumentError(
+                f"{label} of the Tuner cannot be saved for restore ({type(e).__name__}: {e}). Hint: pass "
+                "something picklable, or build the object inside the training function from plain "
+                "settings") from None
+
+
+def _encode(tuner: Tuner) -> _Encoded:
+    params: dict[str, Any] = {"param_space": {}, "param_space_keys": list(tuner.param_space)}
+    pickles: dict[str, bytes] = {}
+    for key, value in tuner.param_space.items():
+        _encode_one(f"param_space[{key!r}]", value, params["param_space"], key, pickles, f"param_space/{key}")
+    for name in ("tune_config", "run_config"):
+        _encode_one(name, getattr(tuner, name), params, name, pickles, name)
+    t = tuner.trainable
+    if isinstance(t, BaseTrainer):
+        saved = rs.encode_trainer(type(t), t._init_args)
+        return _Encoded(params, pickles, {"kind": "trainer", "name": type(t).__name__, **saved.fields},
+                        saved.pickles)
+    _encode_one("trainable", t, params, "trainable", pickles, "trainable")
+    return _Encoded(params, pickles, {"kind": "function", "name": trainable_name(t)}, None)
+
+
+def _write(storage: Storage, manifest: sw.SweepManifest, saved: _Encoded) -> None:
+    storage.write_atomic(sw.TUNER_PKL, pickle.dumps(saved.pickles))
+    if saved.trainer_pickles is not None:
+        storage.write_atomic(rs.TRAINER_PKL, pickle.dumps(saved.trainer_pickles))
+    manifest.params, manifest.pickled_params = saved.params, sorted(saved.pickles)
+    manifest.trainable = saved.trainable
+
+
+def _is_fresh_dir(storage: Storage) -> bool:
+    """Absent, empty, or holding only what a first fit() writes before sweep.json (it was killed)."""
+    entries = [e for e in storage.listdir() if ".tmp-" not in e]
+    if not entries:
+        return True
+    return entries == [mf.META_DIR] and all(
+        e in _FRESH_META or ".tmp-" in e for e in storage.listdir(mf.META_DIR))
+
+
+# -- loading it back ------------------------------------------------------------------------------
+class _Saved:
+    """The saved Tuner arguments of a sweep, each decoded or unpickled on its own."""
+
+    def __init__(self, storage: Storage, manifest: sw.SweepManifest, path: str) -> None:
+        self.storage, self.manifest, self.path = storage, manifest, path
+        self._blobs: dict[str, bytes] | None = None
+
+    def _blob(self, name: str, hint: str) -> Any:
+        if self._blobs is None:
+            self._blobs = pickle.loads(self.storage.read_bytes(sw.TUNER_PKL))
+        try:
+            return cloudpickle.loads(self._blobs[name])
+        except Exception as e:
+            raise RestoreArgumentError(
+                f"{name} saved with the sweep at {self.path!r} can no longer be loaded "
+                f"({type(e).__name__}: {e}). Hint: re-specify it: "
+                f"Tuner.restore({self.path!r}, {hint})") from None
+
+    def _decode(self, slot: str, hint: str) -> Any:
+        try:
+            return rs.decode(self.manifest.params[slot])
+        except (ImportError, AttributeError, TypeError) as e:
+            raise RestoreArgumentError(
+                f"{slot} saved with the sweep at {self.path!r} can no longer be loaded "
+                f"({type(e).__name__}: {e}). Hint: re-specify it: "
+                f"Tuner.restore({self.path!r}, {hint})") from None
+
+    def trainable(self) -> Any:
+        t = self.manifest.trainable
+        hint = "trainable=..."
+        if t.get("kind") == "function":
+            if "trainable" in self.manifest.params:
+                return self._decode("trainable", hint)
+            return self._blob("trainable", hint)
+        saved = mf.RunManifest(name=self.manifest.name, trainer_class=t["trainer_class"],
+                               trainer_mro=t["trainer_mro"], params=t["params"],
+                               pickled_params=t["pickled_params"], must_respecify=t["must_respecify"],
+                               dataset_names=t["dataset_names"])
+        try:
+            cls = rs.resolve_class(self.storage, saved, BaseTrainer, self.path)
+            return cls(**rs.load_init_args(self.storage, saved, cls, {}, self.path))
+        except RestoreArgumentError as e:
+            raise RestoreArgumentError(
+                f"the {t.get('name')} trainable saved with the sweep at {self.path!r} cannot be rebuilt: "
+                f"{str(e).split(' Hint:')[0]} Hint: pass it again: Tuner.restore({self.path!r}, "
+                f"trainable={t.get('name')}(...))") from None
+
+    def param_space(self) -> dict[str, Any]:
+        params = self.manifest.params
+        space = {}
+        for key in params.get("param_space_keys", list(params.get("param_space", {}))):
+            if key in params.get("param_space", {}):
+                space[key] = rs.decode(params["param_space"][key])
+            else:
+                space[key] = self._blob(f"param_space/{key}", "param_space={...}")
+        return space
+
+    def tune_config(self) -> TuneConfig:
+        if "tune_config" in self.manifest.params:
+            return self._decode("tune_config", "tune_config=TuneConfig(...)")
+        return self._blob("tune_config", "tune_config=TuneConfig(...)")
+
+    def run_config(self) -> RunConfig | None:
+        if "run_config" in self.manifest.params:
+            return self._decode("run_config", "...")
+        if "run_config" in self.manifest.pickled_params:
+            return self._blob("run_config", "...")
+        return None
+
+
+# -- restore checks -------------------------------------------------------------------------------
+def _check_identity(manifest: sw.SweepManifest, identity: dict[str, Any], path: str) -> None:
+    lines = rs.identity_diff(manifest.identity, identity)
+    if not lines:
+        return
+    diff = "\n".join(lines)
+    raise SweepMismatchError(
+        f"the sweep at {path!r} was started with a different configuration:\n{diff}\n"
+        f"Hint: to extend it with more samples on purpose, call Tuner.restore({path!r}, trainable, "
+        "tune_config=TuneConfig(num_samples=...)).fit(); param_space values (not its keys or search "
+        "domains) may be re-specified with Tuner.restore(path, trainable, param_space=...); to start a "
+        "separate sweep, give RunConfig a new name.")
+
+
+def _check_trainable_matches(manifest: sw.SweepManifest, trainable: Any, path: str) -> None:
+    check_trainable(trainable)
+    saved = manifest.trainable
+    if saved.get("kind") == "function" and isinstance(trainable, BaseTrainer):
+        raise TrainerClassMismatchError(
+            f"the sweep at {path!r} was started with the function {saved.get('name')}, not a Trainer. "
+            f"Hint: Tuner.restore({path!r}, trainable={saved.get('name')})")
+    if saved.get("kind") == "trainer":
+        name = rs.qualified_name(type(trainable)) if isinstance(trainable, BaseTrainer) else None
+        if name != saved.get("trainer_class"):
+            raise TrainerClassMismatchError(
+                f"the sweep at {path!r} was started with a {saved.get('trainer_class')} trainable, not "
+                f"{name or 'a function'}. Hint: Tuner.restore({path!r}, trainable={saved.get('name')}(...))")
+
+
+def _check_same_shape(saved: dict[str, Any], given: dict[str, Any], path: str) -> None:
+    if not isinstance(given, dict):
+        raise TypeError(f"param_space must be a dict, got {type(given).__name__}")
+    ss.leaves(given)
+    lines = rs.identity_diff(ss.shape(saved), ss.shape(given))
+    if lines:
+        raise SweepMismatchError(
+            f"Tuner.restore({path!r}, param_space=...) may re-specify values, but not change the keys or "
+            "search domains of the param_space:\n" + "\n".join(lines) + "\nHint: keep the keys and "
+            "domains, or start a separate sweep with a new RunConfig name")
+
+
+def _amend_tune_config(saved: TuneConfig, given: TuneConfig, manifest: sw.SweepManifest,
+                       path: str) -> TuneConfig:
+    if given.num_samples < saved.num_samples:
+        raise SweepMismatchError(
+            f"the sweep at {path!r} has num_samples={saved.num_samples}; a sweep can grow but not shrink "
+            f"(got {given.num_samples}). Hint: TuneConfig(num_samples>={saved.num_samples})")
+    out = dataclasses.replace(saved, num_samples=given.num_samples)
+    if given.max_concurrent_trials is not None:
+        out.max_concurrent_trials = given.max_concurrent_trials
+    if given.seed is not None and given.seed != manifest.seed:
+        raise SweepMismatchError(f"the sweep at {path!r} was seeded with {manifest.seed}; got "
+                                 f"seed={given.seed}. Hint: leave TuneConfig.seed unset when restoring")
+    for attr in ("metric", "mode", "search_alg", "scheduler"):
+        value = getattr(given, attr)
+        if value is None:
+            continue
+        if rs.describe(value) != rs.describe(getattr(saved, attr)):
+            raise SweepMismatchError(
+                f"the sweep at {path!r} was started with TuneConfig({attr}={getattr(saved, attr)!r}); "
+                f"Tuner.restore(tune_config=...) got {attr}={value!r}. Hint: only num_samples and "
+                f"max_concurrent_trials may change; leave {attr} unset (None) to keep the saved one")
+        setattr(out, attr, value)
+    return out

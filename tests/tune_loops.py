@@ -1,0 +1,107 @@
+"""Torch-free trainables for the sweep tests (importable, so saved by reference, and cheap
+to import in a driver subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from unbroken import tune
+from unbroken.train import Checkpoint
+
+BLOCK_ENV = "TUNE_TEST_BLOCK_DIR"
+ACTIVE_ENV = "TUNE_TEST_ACTIVE_DIR"
+
+
+def tune_loop(config: dict) -> None:
+    """Reports `iterations` rows of score = x * it + y (x, y from the config), with a
+    checkpoint every `ckpt_every` iterations (and when asked to, on preemption), resuming from
+    the latest one.
+
+    Knobs in the config: fail_x=v raises at iteration 2 in attempt 1 of trials with x == v;
+    fail_once=path raises at iteration 2 unless `path` exists (and creates it); echo prints
+    "<trial> REPORTED it". Knobs in the environment, so that the configs stay the same:
+    $TUNE_TEST_BLOCK_DIR: a trial whose name is a FIFO there prints "<trial> BLOCKING" after
+    the report of iteration `block_it` (default 2) and blocks reading it;
+    $TUNE_TEST_ACTIVE_DIR: each running trial keeps a file there, and the number of them at
+    each trial's start is appended to <dir>/max.
+    """
+    ctx = tune.get_context()
+    trial = ctx.get_trial_name() or ctx.get_experiment_name()
+    attempt = ctx.get_attempt()
+    active = os.environ.get(ACTIVE_ENV)
+    if active:
+        _enter(active, trial)
+    try:
+        start = 0
+        ckpt = tune.get_checkpoint()
+        if ckpt is not None:
+            with ckpt.as_directory() as d, open(os.path.join(d, "it.txt")) as f:
+                start = int(f.read())
+        x, y = config.get("x", 1), config.get("y", 0.0)
+        for it in range(start + 1, config.get("iterations", 4) + 1):
+            if config.get("fail_x") == x and it == 2 and attempt == 1:
+                raise RuntimeError(f"injected failure in {trial} at iteration {it}")
+            if config.get("fail_once") and it == 2 and not os.path.exists(config["fail_once"]):
+                open(config["fail_once"], "w").close()
+                raise RuntimeError(f"injected one-time failure in {trial} at iteration {it}")
+            metrics = {"score": x * it + y, "it": it}
+            if it % config.get("ckpt_every", 1) == 0 or ctx.should_checkpoint():
+                with tempfile.TemporaryDirectory() as d:
+                    with open(os.path.join(d, "it.txt"), "w") as f:
+                        f.write(str(it))
+                    tune.report(metrics, checkpoint=Checkpoint.from_directory(d))
+            else:
+                tune.report(metrics)
+            if config.get("echo"):
+                print(f"{trial} REPORTED {it}", flush=True)
+            block = os.path.join(os.environ.get(BLOCK_ENV) or "/nonexistent", trial)
+            if it == config.get("block_it", 2) and os.path.exists(block):
+                print(f"{trial} BLOCKING", flush=True)
+                with open(block) as f:
+                    f.read()
+    finally:
+        if active:
+            _leave(active, trial)
+
+
+def _enter(active: str, trial: str) -> None:
+    os.makedirs(active, exist_ok=True)
+    open(os.path.join(active, f"{trial}.running"), "w").close()
+    now = len([n for n in os.listdir(active) if n.endswith(".running")])
+    with open(os.path.join(active, "max"), "a") as f:
+        f.write(f"{now}\n")
+
+
+def _leave(active: str, trial: str) -> None:
+    os.remove(os.path.join(active, f"{trial}.running"))
+
+
+def max_running(active: str) -> int:
+    with open(os.path.join(active, "max")) as f:
+        return max(int(line) for line in f if line.strip())
+
+
+def asha_loop(config: dict) -> None:
+    """tune_loop with 8 iterations by default (ASHA stops it earlier)."""
+    tune_loop({"iterations": 8, **config})
+
+
+def must_not_run(config: dict) -> None:
+    raise AssertionError("a trial ran that should not have")
+
+
+def write_config(config: dict) -> None:
+    """Reports the config it got (JSON) as one row: for checking merges and contexts."""
+    ctx = tune.get_context()
+    tune.report({"config": json.dumps(config, sort_keys=True, default=repr),
+                 "trial_name": ctx.get_trial_name(), "trial_id": ctx.get_trial_id(),
+                 "experiment_name": ctx.get_experiment_name()})
+
+
+class Payload:
+    """A constant param_space value that is not plain data (pickled with the sweep)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
