@@ -6,6 +6,8 @@ import logging
 import os
 import select
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -199,6 +201,10 @@ def test_function_sweep_runs_each_trial_as_a_run(storage, tmp_path, monkeypatch)
         grid.get_best_result("nope", "max")
     df = grid.get_dataframe()
     assert list(df["config/x"]) == [1, 2, 1, 2] and list(df["trial_status"]) == ["TERMINATED"] * 4
+    listed = subprocess.run([sys.executable, "-m", "unbroken", "ls", storage, "--json"],
+                            capture_output=True, text=True, check=True)
+    [row] = [r for r in json.loads(listed.stdout) if r["name"] == "fn"]
+    assert row["kind"] == "sweep" and row["trials"] == {"TERMINATED": 4}
     assert list(grid.get_dataframe(filter_metric="score", filter_mode="min")["it"]) == [1] * 4
     manifest = sweep_json(path)
     assert manifest["status"] == "FINISHED" and manifest["seed"] == 1

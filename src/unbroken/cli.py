@@ -133,7 +133,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no runs in {root}", file=sys.stderr)
     else:
         rows = [[r.name, r.status, len(r.attempts) if r.attempts else "-", _or_dash(r.iteration),
-                 _metric(r.last_metrics, args.metric), r.latest_checkpoint or "-", _when(r.updated_at)]
+                 _sweep_counts(r.trials) if r.kind == "sweep" else _metric(r.last_metrics, args.metric),
+                 r.latest_checkpoint or "-", _when(r.updated_at)]
                 for r in runs]
         print(_table(["NAME", "STATUS", "ATTEMPTS", "ITER", "LAST METRIC", "LATEST CHECKPOINT", "UPDATED"],
                      rows))
@@ -141,6 +142,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if r.problem:
                 print(f"{r.name}: {r.problem}", file=sys.stderr)
     return EXIT_PROBLEM if any(r.problem for r in runs) else EXIT_OK
+
+
+def _sweep_counts(counts: dict[str, int] | None) -> str:
+    """'sweep: 6 TERMINATED, 1 ERROR, 1 PENDING' for a sweep's row in `ls`."""
+    return "sweep: " + ", ".join(f"{n} {status}" for status, n in (counts or {}).items() if n)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

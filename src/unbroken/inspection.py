@@ -23,6 +23,7 @@ from unbroken.errors import RunNotFoundError, TornCheckpointError, UnbrokenError
 from unbroken.lease import live_holder
 from unbroken.restore import PARAMS_JSON
 from unbroken.storage import Storage
+from unbroken.tune import sweep
 
 # Checkpoint states.
 COMMITTED = "committed"      # the marker reads and the files match it (as far as checked)
@@ -80,6 +81,8 @@ class RunSummary:
     config: Any = None
     driver: dict[str, Any] | None = None
     problem: str | None = None
+    kind: str = "run"  # or "sweep": then `trials` counts its trials by status
+    trials: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,13 +133,28 @@ def list_runs(root: str, storage_filesystem: Any = None) -> list[RunSummary]:
     runs = []
     for name in storage.listdir():
         child = storage.child(name)
+        if not name.startswith(".") and sweep.is_sweep_dir(child):
+            runs.append(_sweep_summary(child, storage_filesystem))
+            continue
         if name.startswith(".") or not mf.is_run_dir(child):
-            continue  # a file, or a directory that is not a run (sweeps are listed by their trials)
+            continue  # a file, or a directory that is neither a run nor a sweep
         try:
             runs.append(summarize(child.url(), storage_filesystem, brief=True))
         except (UnbrokenError, OSError, ValueError) as e:
             runs.append(RunSummary(name=name, path=child.url(), status="UNREADABLE", problem=str(e)))
     return runs
+
+
+def _sweep_summary(storage: Storage, storage_filesystem: Any) -> RunSummary:
+    """A sweep as one listing row (`unbroken ls <sweep>` lists its trials)."""
+    try:
+        info = sweep.summarize(storage.url(), storage_filesystem)
+    except (UnbrokenError, OSError, ValueError) as e:
+        return RunSummary(name=run_name(storage), path=storage.url(), status="UNREADABLE", problem=str(e),
+                          kind="sweep")
+    return RunSummary(name=info["name"], path=info["path"], status=info["status"],
+                      recorded_status=info["status"], updated_at=info["updated_at"], kind="sweep",
+                      trials=info["counts"])
 
 
 def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) -> RunSummary:
