@@ -10,12 +10,15 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from unbroken import __version__
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.storage import Storage
+
+T = TypeVar("T")
 
 log = logging.getLogger("unbroken")
 
@@ -104,21 +107,8 @@ def load(storage: Storage) -> RunManifest:
     if not storage.isdir():
         raise RunNotFoundError(f"{where!r} is a file, not a run directory. "
                                "Hint: pass the run's directory, <storage_path>/<name>")
-    problems = []
-    for rel in (RUN_JSON, RUN_PREV_JSON):
-        try:
-            manifest = RunManifest.from_bytes(storage.read_bytes(rel), where)
-        except FileNotFoundError:
-            problems.append(f"{rel} is missing")
-            continue
-        except SchemaVersionError:
-            raise
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-            problems.append(f"{rel} is corrupted ({type(e).__name__}: {e})")
-            continue
-        if problems:
-            log.warning("run %s: %s; using the previous generation (%d) from %s",
-                        where, "; ".join(problems), manifest.generation, rel)
+    manifest, problems = read_newest(storage, (RUN_JSON, RUN_PREV_JSON), RunManifest.from_bytes, "run")
+    if manifest is not None:
         return manifest
     if all(p.endswith("is missing") for p in problems):
         raise RunNotFoundError(
@@ -130,10 +120,41 @@ def load(storage: Storage) -> RunManifest:
 
 def save(storage: Storage, manifest: RunManifest, previous: bytes | None) -> bytes:
     """Write a new generation; `previous` (the bytes last written) becomes the fallback."""
+    return write_generation(storage, (RUN_JSON, RUN_PREV_JSON), manifest, previous)
+
+
+# -- generations: shared by the run manifest and the sweep manifest ------------------------
+def read_newest(storage: Storage, rels: tuple[str, str], parse: Callable[[bytes, str], T],
+                what: str) -> tuple[T | None, list[str]]:
+    """The newest generation that parses (`rels` = current, previous), with a warning when it
+    had to fall back, and the problems found; (None, problems) when neither parses."""
+    where = storage.url()
+    problems: list[str] = []
+    for rel in rels:
+        try:
+            manifest = parse(storage.read_bytes(rel), where)
+        except FileNotFoundError:
+            problems.append(f"{rel} is missing")
+            continue
+        except SchemaVersionError:
+            raise
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+            problems.append(f"{rel} is corrupted ({type(e).__name__}: {e})")
+            continue
+        if problems:
+            log.warning("%s %s: %s; using the previous generation (%d) from %s",
+                        what, where, "; ".join(problems), manifest.generation, rel)
+        return manifest, problems
+    return None, problems
+
+
+def write_generation(storage: Storage, rels: tuple[str, str], manifest: Any, previous: bytes | None) -> bytes:
+    """Write `manifest` as a new generation to rels[0]; `previous` (the bytes last written)
+    goes to rels[1] first, as the fallback. Returns the bytes written."""
     manifest.generation += 1
     manifest.updated_at = time.time()
     data = manifest.to_bytes()
     if previous is not None:
-        storage.write_atomic(RUN_PREV_JSON, previous)
-    storage.write_atomic(RUN_JSON, data)
+        storage.write_atomic(rels[1], previous)
+    storage.write_atomic(rels[0], data)
     return data

@@ -22,7 +22,7 @@ from typing import Any
 
 from unbroken import __version__
 from unbroken.errors import CorruptRunError, NotASweepError, RunNotFoundError, SchemaVersionError
-from unbroken.manifest import META_DIR
+from unbroken.manifest import META_DIR, read_newest, write_generation
 from unbroken.manifest import is_run_dir as is_run_dir
 from unbroken.storage import Storage
 
@@ -142,21 +142,9 @@ def load(storage: Storage) -> SweepManifest:
     if not storage.isdir():
         raise NotASweepError(f"{where!r} is a file, not a sweep directory. "
                              "Hint: pass the sweep's directory, <storage_path>/<name>")
-    problems = []
-    for rel in (SWEEP_JSON, SWEEP_PREV_JSON):
-        try:
-            manifest = SweepManifest.from_bytes(storage.read_bytes(rel), where)
-        except FileNotFoundError:
-            problems.append(f"{rel} is missing")
-            continue
-        except SchemaVersionError:
-            raise
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-            problems.append(f"{rel} is corrupted ({type(e).__name__}: {e})")
-            continue
-        if problems:
-            log.warning("sweep %s: %s; using the previous generation (%d) from %s",
-                        where, "; ".join(problems), manifest.generation, rel)
+    manifest, problems = read_newest(storage, (SWEEP_JSON, SWEEP_PREV_JSON), SweepManifest.from_bytes,
+                                     "sweep")
+    if manifest is not None:
         return manifest
     if all(p.endswith("is missing") for p in problems):
         raise not_a_sweep(storage)
@@ -183,13 +171,7 @@ def not_a_sweep(storage: Storage) -> NotASweepError:
 
 def save(storage: Storage, manifest: SweepManifest, previous: bytes | None) -> bytes:
     """Write a new generation; `previous` (the bytes last written) becomes the fallback."""
-    manifest.generation += 1
-    manifest.updated_at = time.time()
-    data = manifest.to_bytes()
-    if previous is not None:
-        storage.write_atomic(SWEEP_PREV_JSON, previous)
-    storage.write_atomic(SWEEP_JSON, data)
-    return data
+    return write_generation(storage, (SWEEP_JSON, SWEEP_PREV_JSON), manifest, previous)
 
 
 def summarize(path: str, storage_filesystem: Any = None) -> dict[str, Any]:
