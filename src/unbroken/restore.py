@@ -51,6 +51,22 @@ MUTABLE = frozenset({"scaling_config", "run_config", "backend_config", "resume_f
 _CLASS_ENTRY = "__trainer_class__"
 
 
+def encode_or_pickle(value: Any, what: str, json_out: dict[str, Any], pickles: dict[str, bytes],
+                     key: str, pickle_key: str | None = None) -> None:
+    """Save one argument: JSON into json_out[key] where it is plain data, else its cloudpickle
+    into pickles[pickle_key or key]; UnsavableArgumentError naming `what` if neither works."""
+    try:
+        json_out[key] = encode(value)
+    except _NotJSON:
+        try:
+            pickles[pickle_key or key] = cloudpickle.dumps(value)
+        except Exception as e:
+            raise UnsavableArgumentError(
+                f"{what} cannot be saved for restore ({type(e).__name__}: {e}). Every argument is "
+                f"saved so that the run can be restored. Hint: pass something picklable, or build the "
+                f"object inside the training function from plain settings in train_loop_config") from None
+
+
 class _NotJSON(Exception):
     pass
 
@@ -246,17 +262,7 @@ def encode_trainer(trainer_class: type, init_args: dict[str, Any]) -> SavedTrain
                 must_respecify.append(name)
                 continue
             value = builders
-        try:
-            params[name] = encode(value)
-        except _NotJSON:
-            try:
-                pickles[name] = cloudpickle.dumps(value)
-            except Exception as e:
-                raise UnsavableArgumentError(
-                    f"argument {name!r} of {trainer_class.__name__} cannot be saved for restore "
-                    f"({type(e).__name__}: {e}). The local engine must save every argument so the run "
-                    f"can be restored. Hint: pass something picklable, or build the object inside "
-                    f"the training function from plain settings in train_loop_config") from None
+        encode_or_pickle(value, f"argument {name!r} of {trainer_class.__name__}", params, pickles, name)
     if _reference(trainer_class) is None:
         pickles[_CLASS_ENTRY] = cloudpickle.dumps(trainer_class)
     ident = identity(trainer_class, init_args)

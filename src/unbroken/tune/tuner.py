@@ -37,7 +37,6 @@ from unbroken.errors import (
     RunNotFoundError,
     SweepMismatchError,
     TrainerClassMismatchError,
-    UnsavableArgumentError,
 )
 from unbroken.lease import Lease
 from unbroken.storage import Storage
@@ -362,34 +361,20 @@ class _Encoded:
     trainer_pickles: dict[str, bytes] | None
 
 
-def _encode_one(label: str, value: Any, json_out: dict[str, Any], key: str,
-                pickles: dict[str, bytes], pickle_key: str) -> None:
-    """JSON into json_out[key] where the value is plain data; else a cloudpickle in pickles."""
-    try:
-        json_out[key] = rs.encode(value)
-    except Exception:
-        try:
-            pickles[pickle_key] = cloudpickle.dumps(value)
-        except Exception as e:
-            raise UnsavableArgumentError(
-                f"{label} of the Tuner cannot be saved for restore ({type(e).__name__}: {e}). Hint: pass "
-                "something picklable, or build the object inside the training function from plain "
-                "settings") from None
-
-
 def _encode(tuner: Tuner) -> _Encoded:
     params: dict[str, Any] = {"param_space": {}, "param_space_keys": list(tuner.param_space)}
     pickles: dict[str, bytes] = {}
     for key, value in tuner.param_space.items():
-        _encode_one(f"param_space[{key!r}]", value, params["param_space"], key, pickles, f"param_space/{key}")
+        rs.encode_or_pickle(value, f"param_space[{key!r}] of the Tuner", params["param_space"], pickles, key,
+                            f"param_space/{key}")
     for name in ("tune_config", "run_config"):
-        _encode_one(name, getattr(tuner, name), params, name, pickles, name)
+        rs.encode_or_pickle(getattr(tuner, name), f"{name} of the Tuner", params, pickles, name)
     t = tuner.trainable
     if isinstance(t, BaseTrainer):
         saved = rs.encode_trainer(type(t), t._init_args)
         return _Encoded(params, pickles, {"kind": "trainer", "name": type(t).__name__, **saved.fields},
                         saved.pickles)
-    _encode_one("trainable", t, params, "trainable", pickles, "trainable")
+    rs.encode_or_pickle(t, "the Tuner's trainable", params, pickles, "trainable")
     return _Encoded(params, pickles, {"kind": "function", "name": trainable_name(t)}, None)
 
 
