@@ -39,7 +39,7 @@ def test_random_kills_soak():
 def test_random_kills_with_runs_on_s3():
     pytest.importorskip("moto")
     pytest.importorskip("s3fs")
-    check(run_harness(3, "--s3"), 3, commit_kills=0)
+    check(run_harness(2, "--s3"), 2, commit_kills=0)
 
 
 @pytest.mark.slow
