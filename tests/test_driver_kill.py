@@ -4,10 +4,12 @@ import json
 import os
 import select
 import signal
+import subprocess
+import sys
 
 import torch
 
-from conftest import read_until, run_script, start_script
+from conftest import driver_env, read_until, run_script, start_script
 from loops import final_weights
 from unbroken.train import Result
 from unbroken.train.torch import TorchTrainer
@@ -94,3 +96,29 @@ def test_driver_sigkill_then_restore_in_a_new_process(storage, tmp_path):
     expected = final_weights(Result.from_path(os.path.join(storage, "reference")))
     for key, value in final_weights(result).items():
         assert torch.equal(value, expected[key])
+
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in worker_pids(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_workers_from_a_forkserver_die_with_a_killed_driver(storage, tmp_path):
+    # Forkserver workers re-import the main module, so the script needs a main guard.
+    script = tmp_path / "driver.py"
+    script.write_text("if __name__ == '__main__':\n" +
+                      "".join(f"    {line}\n" for line in DRIVER.strip().splitlines()))
+    proc = subprocess.Popen([sys.executable, "-u", str(script), storage, "fs-killed", "1000", str(tmp_path)],
+                            env=driver_env(UNBROKEN_START_METHOD="forkserver"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    read_until(proc, "REPORTED 2")
+    family = descendants(proc.pid)
+    assert len(family) >= 3, family  # the forkserver and two workers
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert all(wait_exited(pid, 10) for pid in family), "no worker outlives its driver"
