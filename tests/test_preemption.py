@@ -111,7 +111,7 @@ def test_hung_rank_is_detected_and_the_group_restarts(storage):
     trainer = TorchTrainer(linear_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
                            run_config=RunConfig(name="hung", storage_path=storage,
                                                 failure_config=FailureConfig(max_failures=1,
-                                                                             hang_timeout_s=2)))
+                                                                             hang_timeout_s=4)))
     result = trainer.fit()
     assert result.metrics["training_iteration"] == 8
     run = manifest(result.path)
