@@ -75,17 +75,7 @@ class RunManifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> RunManifest:
-        raw = json.loads(data)
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
-        version = raw.get("schema_version")
-        if isinstance(version, int) and version > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"{where} was written with storage schema {version} (unbroken "
-                f"{raw.get('package_version', '?')}); this unbroken {__version__} reads up to "
-                f"schema {SCHEMA_VERSION}. Hint: upgrade unbroken (pip install -U unbroken)")
-        known = {f.name for f in fields(cls)}
-        raw = {k: v for k, v in raw.items() if k in known}
+        raw = versioned_fields(json.loads(data), cls, SCHEMA_VERSION, where, "storage")
         raw["attempts"] = [Attempt(**a) for a in raw.get("attempts", [])]
         return cls(**raw)
 
@@ -123,7 +113,22 @@ def save(storage: Storage, manifest: RunManifest, previous: bytes | None) -> byt
     return write_generation(storage, (RUN_JSON, RUN_PREV_JSON), manifest, previous)
 
 
-# -- generations: shared by the run manifest and the sweep manifest ------------------------
+# -- shared by the run manifest and the sweep manifest -------------------------------------
+def versioned_fields(raw: Any, cls: type, schema: int, where: str, what: str) -> dict[str, Any]:
+    """`raw` (a parsed manifest) restricted to the fields `cls` knows; SchemaVersionError when a
+    newer unbroken wrote it, ValueError when it is not a JSON object."""
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    version = raw.get("schema_version")
+    if isinstance(version, int) and version > schema:
+        raise SchemaVersionError(
+            f"{where} was written with {what} schema {version} (unbroken "
+            f"{raw.get('package_version', '?')}); this unbroken {__version__} reads up to "
+            f"schema {schema}. Hint: upgrade unbroken (pip install -U unbroken)")
+    known = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in known}
+
+
 def read_newest(storage: Storage, rels: tuple[str, str], parse: Callable[[bytes, str], T],
                 what: str) -> tuple[T | None, list[str]]:
     """The newest generation that parses (`rels` = current, previous), with a warning when it

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from unbroken import __version__
-from unbroken.errors import CorruptRunError, NotASweepError, RunNotFoundError, SchemaVersionError
-from unbroken.manifest import META_DIR, read_newest, write_generation
+from unbroken.errors import CorruptRunError, NotASweepError, RunNotFoundError
+from unbroken.manifest import META_DIR, read_newest, versioned_fields, write_generation
 from unbroken.manifest import is_run_dir as is_run_dir
 from unbroken.storage import Storage
 
@@ -98,14 +98,7 @@ class SweepManifest:
         raw = json.loads(data)
         if not isinstance(raw, dict) or raw.get("kind") != "sweep":
             raise ValueError("not a sweep manifest")
-        version = raw.get("schema_version")
-        if isinstance(version, int) and version > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"sweep {where} was written with sweep schema {version} (unbroken "
-                f"{raw.get('package_version', '?')}); this unbroken {__version__} reads up to schema "
-                f"{SCHEMA_VERSION}. Hint: upgrade unbroken (pip install -U unbroken)")
-        known = {f.name for f in fields(cls)}
-        raw = {k: v for k, v in raw.items() if k in known}
+        raw = versioned_fields(raw, cls, SCHEMA_VERSION, f"sweep {where}", "sweep")
         trial_fields = {f.name for f in fields(TrialRecord)}
         raw["trials"] = [TrialRecord(**{k: v for k, v in t.items() if k in trial_fields})
                          for t in raw.get("trials", [])]
