@@ -6,6 +6,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 
 import torch
 
@@ -239,3 +240,28 @@ def exact_loop(config: dict) -> None:
                 print(f"STEP {state.step}", flush=True)
         state.epoch = epoch + 1
     state.report({"final": True, "step": state.step}, checkpoint=True)
+
+
+def report_then_die(config: dict) -> None:
+    """Every rank reports iteration 1 with a checkpoint file of its own; then the ranks in
+    `dying` die (`how`: raise|exit|sigkill) in attempt 1 while the others report once more.
+    With `lag_s` the others take that much longer to reach their report.
+    A later attempt checks it resumed from iteration 1 and reports iteration 2."""
+    ctx = train.get_context()
+    rank = ctx.get_world_rank()
+    if ctx.get_attempt() > 1:
+        seen = None
+        if (checkpoint := train.get_checkpoint()) is not None:
+            with checkpoint.as_directory() as d:
+                seen = sorted(f for f in os.listdir(d) if f.startswith("rank"))
+        train.report({"it": 2, "resumed_with": seen})
+        return
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, f"rank{rank}.txt"), "w") as f:
+            f.write("1")
+        if rank not in config["dying"]:
+            time.sleep(config.get("lag_s", 0))  # a slower rank: still writing its files
+        train.report({"it": 1}, checkpoint=Checkpoint.from_directory(d))
+    if rank in config["dying"]:
+        _die(config["how"], 1)
+    train.report({"it": 2})

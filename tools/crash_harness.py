@@ -3,8 +3,9 @@
 Each trial starts a real 2-worker TorchTrainer job (gloo, DDP, a checkpoint every other
 iteration from both ranks, retention keeping two). Each launch of its driver is one of:
 SIGKILL the driver at a uniformly random moment, SIGKILL one worker at a random moment,
-or a fault-injection point (`unbroken.faults`) that SIGKILLs a process at one step of the
-commit protocol (file writes, fsync, marker, rename, retention, atomic replaces). Then the
+a fault-injection point (`unbroken.faults`) that SIGKILLs a process at one step of the
+commit protocol (file writes, fsync, marker, rename, retention, atomic replaces), or every
+rank raising, exiting or being SIGKILLed right after it sent a report. Then the
 run is restored (by `TorchTrainer.restore(path)` or by running the same trainer again
 under its name), again and again, until it finishes.
 
@@ -12,6 +13,8 @@ Invariants checked at every launch and at the end of each trial:
   - a restore never fails for any reason but the kill we injected;
   - every attempt resumes from the newest committed checkpoint as it was on disk before
     the launch, and what the loop loads is intact (its own hash matches);
+  - a round every rank reported is recorded, and its checkpoint committed, even when the
+    ranks die right after sending it;
   - nothing under a committed checkpoint name is ever torn;
   - no leftovers (staging, half-deleted, quarantined dirs, atomic-write temps) at the end;
   - the metric timeline has each iteration exactly once, and its losses equal the
@@ -58,6 +61,7 @@ WORKER_POINTS = ("after_file_write", "after_fsync")
 COMMIT_POINTS = ("before_marker", "after_marker", "before_rename", "after_rename")
 RETENTION_POINTS = ("before_delete", "during_delete")
 OTHER_POINTS = ("before_replace",)
+REPORT_ACTIONS = ("kill", "exit", "raise")
 MAX_KILLS = 4
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
@@ -240,8 +244,11 @@ class Harness:
             return "retention-fault", f"{self.rng.choice(RETENTION_POINTS)}:{self.rng.randint(1, 4)}", None
         if r < 0.55:
             return "replace-fault", f"{self.rng.choice(OTHER_POINTS)}:{self.rng.randint(1, 12)}", None
+        if r < 0.65:
+            action = self.rng.choice(REPORT_ACTIONS)
+            return "report-fault", f"after_report:{self.rng.randint(1, 6)}:{action}", None
         delay = self.rng.uniform(0, self.duration)
-        return ("kill-driver" if r < 0.80 else "kill-worker"), None, delay
+        return ("kill-driver" if r < 0.85 else "kill-worker"), None, delay
 
     def trial(self, index: int) -> None:
         storage = f"{self.root}/trial-{index}"
@@ -281,6 +288,9 @@ class Harness:
                     self.counts["kills inside commit"] += 1
             result = open(outcome).read() if os.path.exists(outcome) else "killed"
             self.check_launch(path, log, before, attempts_before, result, injected, index, launch)
+            if injected == "after_report":
+                self.check_reported_round(path, before, fault, attempts_before,
+                                          f"trial {index} launch {launch}")
             if result == "finished":
                 self.check_finished(path, index)
                 return
@@ -303,6 +313,22 @@ class Harness:
         for entry in read_log(log):
             if entry["attempt"] > attempts_before and (entry["loaded"] != before or not entry["intact"]):
                 self.violations.append(f"{where}: the loop loaded {entry} (expected {before}, intact)")
+
+    def check_reported_round(self, path: str, before: str | None, fault: str, attempts_before: int,
+                             where: str) -> None:
+        """Every rank sent report n of this launch and then died: that round is on record, and
+        committed when it carried a checkpoint."""
+        iteration = (commit.iteration_of(before) if before else 0) + int(fault.split(":")[1])
+        attempt = attempts_before + 1
+        rows = [r for r in read_rows(Storage.from_url(path)) if r.get("attempt") == attempt]
+        if iteration not in [r["training_iteration"] for r in rows]:
+            self.violations.append(f"{where}: every rank reported iteration {iteration} and then "
+                                   f"died ({fault}), but its row was lost")
+        committed = newest_committed(path, self.violations)
+        if iteration % CKPT_EVERY == 0 and committed != commit.checkpoint_name(iteration):
+            self.violations.append(f"{where}: every rank reported iteration {iteration} with a "
+                                   f"checkpoint and then died ({fault}), but the newest committed "
+                                   f"checkpoint is {committed}")
 
     def check_finished(self, path: str, trial: int) -> None:
         self.counts["trials"] += 1

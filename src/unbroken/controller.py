@@ -28,15 +28,14 @@ from unbroken.engine.local import WorkerDied
 from unbroken.engine.worker import WorkerPayload
 from unbroken.errors import (
     LeaseLostError,
-    ReportMismatchError,
     StorageError,
     TrainingFailedError,
     TrainingInterruptedError,
     WorkerError,
-    WorkerHangError,
 )
 from unbroken.failure_policy import FailureDecision, FailurePolicy
 from unbroken.preemption import Interrupts
+from unbroken.rounds import Rounds
 from unbroken.run import Run
 from unbroken.session import WorkerInfo
 
@@ -45,6 +44,9 @@ log = logging.getLogger("unbroken")
 POLL_S = 1.0
 # How long a rank's error waits for a peer's death to show, which would be the root cause.
 ROOT_CAUSE_WAIT_S = 0.2
+# How long a failed group's incomplete round may take to complete (the other ranks are
+# finishing the step the failed rank already reported; see `rounds`).
+ROUND_GRACE_S = 10.0
 
 
 class ControllerState(enum.Enum):
@@ -180,17 +182,18 @@ class Controller:
     def _drive(self, group: Any) -> None:
         """Process worker messages until every worker is done; raise on any failure.
 
+        A failure is raised only once no incomplete round can complete any more (see
+        `rounds`), so a round that every rank reported is recorded and committed first.
         Leaves the state STOPPING when the workers stopped for a preemption, and
         INTERRUPTED (with the workers still running) on a second signal.
         """
-        n = self.scaling.num_workers
-        pending: dict[int, dict[int, tuple[dict, list | None]]] = {}
-        reported = [0] * n
-        done: dict[int, int] = {}
+        rounds = Rounds(self.scaling.num_workers)
+        failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
+        failed_at = 0.0
         signals = 0
         hang_s = self.run_config.failure_config.hang_timeout_s
         last_progress = time.monotonic()
-        while len(done) < n:
+        while not rounds.all_done:
             self.run.lease.beat()
             if self.interrupts.count > signals:
                 signals = self.interrupts.count
@@ -202,47 +205,45 @@ class Controller:
                 self.state = ControllerState.STOPPING
                 log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
                             "(send it again to stop at once)", self.run.path, self.interrupts.signal_name)
+            now = time.monotonic()
             timeout = POLL_S
+            if failures:
+                if not rounds.can_complete() or now - failed_at >= ROUND_GRACE_S:
+                    raise _root_cause(group, failures)
+                timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
             if hang_s is not None:
-                timeout = max(0.0, min(POLL_S, last_progress + hang_s - time.monotonic()))
-            try:
-                messages = group.poll(timeout)
-            except WorkerDied as e:
-                raise WorkerError(str(e), rank=e.rank) from None
+                timeout = max(0.0, min(timeout, last_progress + hang_s - now))
+            messages = group.poll(timeout)
             now = time.monotonic()
             if messages:
                 last_progress = now
-            elif hang_s is not None and now - last_progress >= hang_s:
-                raise _hang_error(hang_s, reported, pending, done)
+            elif hang_s is not None and now - last_progress >= hang_s and not failures:
+                raise rounds.hang_error(hang_s)
             for rank, message in messages:
+                if isinstance(message, WorkerDied):
+                    rounds.fail(rank)
+                    failures.append((rank, message))
+                    continue
                 kind = message[0]
                 if kind == "report":
                     _, iteration, metrics, files = message
-                    reported[rank] += 1
-                    round_ = pending.setdefault(iteration, {})
-                    round_[rank] = (metrics, files)
-                    if len(round_) == n:
-                        self._complete_round(group, iteration, pending.pop(iteration))
+                    complete = rounds.add_report(rank, iteration, metrics, files)
+                    if complete is not None:
+                        self._complete_round(group, iteration, complete)
                 elif kind == "rendezvous":
-                    for other in range(1, n):
+                    for other in range(1, rounds.num_workers):
                         group.send(other, message)
                 elif kind == "done":
-                    done[rank] = message[1]
+                    rounds.finish(rank, message[1])
                     group.mark_finished(rank)
                 elif kind == "error":
                     _, text, blob = message
-                    error = _worker_exception(rank, text, blob)
-                    for killed in group.killed_by_signal(ROOT_CAUSE_WAIT_S):
-                        raise WorkerError(f"{killed}; then rank {rank} failed with {_first_line(error)}",
-                                          rank=killed.rank) from error
-                    raise error
-            if done and (max(reported) > min(done.values()) or
-                         (len(done) == n and len(set(done.values())) > 1)):
-                counts = ", ".join(f"rank {r}: {c}" for r, c in enumerate(reported))
-                raise ReportMismatchError(
-                    f"train.report was called a different number of times on different ranks "
-                    f"({counts}). train.report is collective. Hint: call it on every rank the same "
-                    "number of times, and attach the checkpoint only where needed")
+                    rounds.fail(rank)
+                    failures.append((rank, _worker_exception(rank, text, blob)))
+            if failures:
+                failed_at = failed_at or now
+            else:
+                rounds.check_counts()
 
     def _complete_round(self, group: Any, iteration: int, by_rank: dict[int, tuple]) -> None:
         metrics = by_rank[0][0]
@@ -276,18 +277,18 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _hang_error(hang_s: float, reported: list[int], pending: dict, done: dict) -> WorkerHangError:
-    if pending:
-        iteration = min(pending)
-        waiting = sorted(set(range(len(reported))) - set(pending[iteration]) - set(done))
-        what = (f"rank(s) {waiting} did not report iteration {iteration} within {hang_s:g} s, while "
-                f"rank(s) {sorted(pending[iteration])} did")
-    else:
-        what = f"no worker reported within {hang_s:g} s (reports so far: {reported})"
-    return WorkerHangError(
-        f"the worker group looks hung: {what}. Hint: look for a collective or barrier that only some "
-        "ranks reach; if an iteration legitimately takes longer, raise FailureConfig(hang_timeout_s=...)",
-        rank=None)
+def _root_cause(group: Any, failures: list[tuple[int, BaseException]]) -> BaseException:
+    """The error to handle for a failed group: the first failure, unless a rank reported an
+    error while a peer was killed by a signal (OOM, SIGKILL): the error is then usually just
+    the broken connection to that peer, and the kill is the root cause."""
+    rank, first = failures[0]
+    if isinstance(first, WorkerDied):
+        return WorkerError(str(first), rank=rank)
+    for killed in group.killed_by_signal(ROOT_CAUSE_WAIT_S):
+        error = WorkerError(f"{killed}; then rank {rank} failed with {_first_line(first)}", rank=killed.rank)
+        error.__cause__ = first
+        return error
+    return first
 
 
 def _stop_met(stop: Any, row: dict) -> bool:

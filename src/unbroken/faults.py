@@ -1,12 +1,14 @@
-"""Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>]` SIGKILLs this process
-the n-th time (default: first) it passes `point`. With `UNBROKEN_FAULT_LOG=<file>` it
-first appends the point's name and pid to that file, so a harness can tell an injected
-kill from a real failure. Costs one environment lookup when unset.
+"""Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>]]` strikes this
+process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
+the default), `exit` (`os._exit(3)`, no clean-up) or `raise` (InjectedFault, as if the
+code right after the point raised). With `UNBROKEN_FAULT_LOG=<file>` it first appends
+the point's name and pid to that file, so a harness can tell an injected fault from a
+real failure. Costs one environment lookup when unset.
 
 The points, in protocol order: after_file_write, after_fsync (worker, per rank);
 before_marker, after_marker, before_rename, after_rename (driver, commit);
 before_delete, during_delete (driver, retention); before_replace (any atomic file
-replace: run.json, result rows, lease).
+replace: run.json, result rows, lease); after_report (worker, right after it sent a report).
 """
 
 from __future__ import annotations
@@ -17,18 +19,27 @@ import signal
 _count = 0
 
 
+class InjectedFault(RuntimeError):
+    """Raised by a fault point whose action is `raise`."""
+
+
 def point(name: str) -> None:
     spec = os.environ.get("UNBROKEN_FAULT")
     if not spec:
         return
-    target, _, n = spec.partition(":")
+    target, _, rest = spec.partition(":")
     if name != target:
         return
     global _count
     _count += 1
+    n, _, action = rest.partition(":")
     if _count >= int(n or 1):
         log = os.environ.get("UNBROKEN_FAULT_LOG")
         if log:
             with open(log, "a") as f:
                 f.write(f"{name} {os.getpid()}\n")
+        if action == "raise":
+            raise InjectedFault(f"injected fault at {name}")
+        if action == "exit":
+            os._exit(3)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+from unbroken import faults
 from unbroken.checkpoint import Checkpoint
 from unbroken.commit import staging_name, write_rank_files
 from unbroken.history import check_json_metrics
@@ -152,6 +153,7 @@ class Session:
             files = write_rank_files(self.info.storage, staging, checkpoint.path, self.info.world_rank)
         asked = bool(self._flags.get("checkpoint"))
         self.conn.send(("report", iteration, metrics, files))
+        faults.point("after_report")
         self.iteration = iteration
         self.reports += 1
         self._awaiting_reply = True

@@ -111,10 +111,11 @@ class LocalWorkerGroup:
             pass  # its death is reported by poll()
 
     def poll(self, timeout: float) -> list[tuple[int, Any]]:
-        """Messages that arrived within `timeout`, as (rank, message).
+        """What happened within `timeout`, as (rank, message) in each rank's order.
 
-        Raises WorkerDied for a worker that exited without saying it was done; messages a
-        worker sent before dying (its error report) are returned first.
+        A worker that exited without saying it was done appears once as (rank, WorkerDied),
+        in a poll after the one that returned its last message (its error report, or a report
+        that completes a round), so the caller has seen that message first.
         """
         out, dead = [], []
         for key, _ in self._selector.select(timeout):
@@ -124,17 +125,25 @@ class LocalWorkerGroup:
             elif kind == "exit":
                 dead.append(what)
             else:
-                conn = self.conns[what]
-                try:
-                    while conn.poll():
-                        out.append((what, conn.recv()))
-                except (EOFError, OSError):
-                    self._selector.unregister(conn)
-        if out:
-            return out
+                out.extend(self._read(what))
         for rank in dead:
+            out.extend(self._read(rank))
+            if any(r == rank for r, _ in out):
+                continue  # its death shows in the next poll, unless a message said it was done
+            self._selector.unregister(self.procs[rank].sentinel)
             self.procs[rank].join()
-            raise WorkerDied(rank, self.procs[rank].exitcode)
+            out.append((rank, WorkerDied(rank, self.procs[rank].exitcode)))
+        return out
+
+    def _read(self, rank: int) -> list[tuple[int, Any]]:
+        """Every message waiting in `rank`'s pipe."""
+        conn, out = self.conns[rank], []
+        try:
+            while conn.poll():
+                out.append((rank, conn.recv()))
+        except (EOFError, OSError):
+            if conn.fileno() in self._selector.get_map():
+                self._selector.unregister(conn)
         return out
 
     def killed_by_signal(self, wait_s: float) -> list[WorkerDied]:
