@@ -30,6 +30,9 @@ def test_worker_exception_is_retried_from_latest_checkpoint(storage):
     df = result.metrics_dataframe
     assert list(df["training_iteration"]) == list(range(1, 9))
     assert list(df["attempt"]) == [1, 1, 1, 1, 2, 2, 2, 2]
+    # As in Ray: counts the rows since the attempt (re)started, 1 for the first.
+    assert list(df["iterations_since_restore"]) == [1, 2, 3, 4, 1, 2, 3, 4]
+    assert df["time_since_restore"].iloc[4] < df["time_total_s"].iloc[4]
     assert "injected failure" in open(os.path.join(result.path, "error.txt")).read()
     # Resuming from a committed checkpoint gives exactly the uninterrupted weights.
     for key, value in final_weights(reference).items():
@@ -49,6 +52,7 @@ def test_without_retries_fit_raises_with_the_restore_call(storage):
     # The run is restorable from where it stopped.
     restored = TorchTrainer.restore(path).fit()
     assert list(restored.metrics_dataframe["training_iteration"]) == list(range(1, 9))
+    assert list(restored.metrics_dataframe["iterations_since_restore"]) == [1, 2, 1, 2, 3, 4, 5, 6]
 
 
 def test_killed_worker_is_noticed_at_once_and_retried(storage, tmp_path):

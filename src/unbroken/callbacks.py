@@ -25,7 +25,8 @@ log = logging.getLogger("unbroken")
 
 STATE_DIR = f"{META_DIR}/callbacks"
 # Fields every row carries that are bookkeeping rather than measurements.
-BOOKKEEPING = frozenset({"training_iteration", "timestamp", "attempt", "checkpoint_dir_name"})
+BOOKKEEPING = frozenset({"training_iteration", "iterations_since_restore", "time_since_restore",
+                         "timestamp", "attempt", "checkpoint_dir_name"})
 
 
 class RunInfo:
@@ -106,7 +107,8 @@ class Callback:
 
     def on_result(self, run: RunInfo, metrics: dict[str, Any]) -> None:
         """A report round was recorded: rank 0's metrics plus `training_iteration`,
-        `time_total_s`, `time_this_iter_s`, `timestamp`, `attempt`, `checkpoint_dir_name`."""
+        `iterations_since_restore`, `time_total_s`, `time_since_restore`, `time_this_iter_s`,
+        `timestamp`, `attempt`, `checkpoint_dir_name`."""
 
     def on_checkpoint(self, run: RunInfo, checkpoint: Checkpoint, metrics: dict[str, Any]) -> None:
         """A checkpoint committed; `metrics` is the row of its iteration."""

@@ -100,8 +100,10 @@ class Run:
         assert self.attempt is not None
         now = time.monotonic()
         row = dict(metrics)
+        since_restore = now - self._attempt_t0
         row.update(training_iteration=iteration,
-                   time_total_s=self._time_base + (now - self._attempt_t0),
+                   iterations_since_restore=iteration - self.attempt.resumed_iteration,
+                   time_total_s=self._time_base + since_restore, time_since_restore=since_restore,
                    time_this_iter_s=now - self._last_report_t, timestamp=time.time(),
                    attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
         self._last_report_t = now
