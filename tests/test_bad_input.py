@@ -12,6 +12,7 @@ import pytest
 from loops import simple_loop
 from unbroken.errors import (
     CorruptRunError,
+    InsufficientResourcesError,
     LeaseHeldError,
     MetricsNotSerializableError,
     ReportMismatchError,
@@ -252,3 +253,20 @@ def test_report_called_by_some_ranks_only(run):
     assert isinstance(cause, ReportMismatchError)
     assert "different number of times" in str(cause) and "Hint" in str(cause)
     assert_kept(before, committed_state(run))
+
+
+def test_use_gpu_where_no_gpu_is_visible(run, tmp_path):
+    from unbroken.engine.local import visible_gpus
+
+    if visible_gpus()[0] > 0:
+        pytest.skip("this machine has a GPU")
+    storage = str(tmp_path / "fresh")
+    with pytest.raises(InsufficientResourcesError) as info:
+        TorchTrainer(simple_loop, scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+                     run_config=RunConfig(name="gpu", storage_path=storage)).fit()
+    assert_clear(info, "no GPU is visible", "device_count()", "use_gpu=False")
+    assert not os.path.exists(storage), "refused before anything was written"
+    before = snapshot(run)
+    with pytest.raises(InsufficientResourcesError):
+        DataParallelTrainer.restore(run, scaling_config=ScalingConfig(use_gpu=True)).fit()
+    assert snapshot(run) == before

@@ -116,3 +116,8 @@ class NotASweepError(UnbrokenError, ValueError):
 
 class SweepMismatchError(IdentityMismatchError):
     """A sweep's search space or tune settings differ from the ones it was started with."""
+
+
+class InsufficientResourcesError(UnbrokenError, RuntimeError):
+    """The engine cannot give the workers what ScalingConfig asks for (e.g. use_gpu=True on a
+    machine where no GPU is visible)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import cloudpickle
 
-from unbroken.engine import resolve_engine
+from unbroken.engine import check_can_run
 from unbroken.errors import (
     IdentityMismatchError,
     RestoreArgumentError,
@@ -399,7 +399,7 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
         root = Storage.from_url(config.resolved_storage_path(), config.storage_filesystem)
         storage = root.child(config.name)
     path = storage.url()
-    resolve_engine(trainer.scaling_config)  # fails now for an engine that cannot run here
+    check_can_run(trainer.scaling_config)  # fails now for an engine or GPUs this machine lacks
     saved = encode_trainer(cls, trainer._init_args)  # fails now if an argument cannot be saved
 
     manifest = None

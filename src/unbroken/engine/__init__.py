@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from unbroken.config import ScalingConfig
+from unbroken.errors import InsufficientResourcesError
 
 
 def resolve_engine(scaling: ScalingConfig) -> str:
@@ -19,6 +20,21 @@ def resolve_engine(scaling: ScalingConfig) -> str:
             "the Ray engine is not available in this version of unbroken. Hint: use "
             "ScalingConfig(engine='local'), or unset RAY_ADDRESS to run on this machine")
     return engine
+
+
+def check_can_run(scaling: ScalingConfig) -> None:
+    """Raise before anything is written when the engine cannot run `scaling` here: an engine
+    this version lacks, or GPUs asked for where none is visible."""
+    resolve_engine(scaling)
+    if scaling.use_gpu:
+        from unbroken.engine.local import visible_gpus
+
+        count, how = visible_gpus()
+        if count < 1:
+            raise InsufficientResourcesError(
+                f"ScalingConfig(use_gpu=True) asks for GPUs, but no GPU is visible on this machine "
+                f"({how}). Hint: use ScalingConfig(use_gpu=False) to train on the CPU, or run on a "
+                "machine with a CUDA GPU (and check CUDA_VISIBLE_DEVICES)")
 
 
 def make_worker_group(scaling: ScalingConfig):

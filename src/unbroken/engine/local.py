@@ -55,6 +55,25 @@ def start_method() -> str:
     return "fork"
 
 
+def visible_gpus() -> tuple[int, str]:
+    """(the number of CUDA GPUs workers started here would see, how that was found out).
+
+    Never initialises CUDA in the driver (forked workers could not use it then): NVML
+    counts the devices, honouring CUDA_VISIBLE_DEVICES, unless CUDA is already initialised."""
+    try:
+        import torch
+    except ImportError:
+        return 0, "torch is not installed"
+    if not torch.backends.cuda.is_built():
+        return 0, f"torch.cuda.device_count() is 0: torch {torch.__version__} is a CPU-only build"
+    count = -1
+    if not torch.cuda.is_initialized():
+        count = getattr(torch.cuda, "_device_count_nvml", lambda: -1)()
+    if count < 0:  # no NVML: without the NVIDIA driver, counting initialises nothing
+        count = torch.cuda.device_count()
+    return count, f"torch.cuda.device_count() is {count}"
+
+
 def _context(method: str) -> Any:
     ctx = mp.get_context(method)
     if method == "forkserver":
