@@ -265,3 +265,20 @@ def report_then_die(config: dict) -> None:
     if rank in config["dying"]:
         _die(config["how"], 1)
     train.report({"it": 2})
+
+
+def big_checkpoint_loop(config: dict) -> None:
+    """Checkpoints every iteration: an iteration counter and `ckpt_bytes` of data per rank."""
+    ctx = train.get_context()
+    rank = ctx.get_world_rank()
+    start = 0
+    if (checkpoint := train.get_checkpoint()) is not None:
+        with checkpoint.as_directory() as d, open(os.path.join(d, "it.txt")) as f:
+            start = int(f.read())
+    for it in range(start + 1, config["iterations"] + 1):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "it.txt"), "w") as f:
+                f.write(str(it))
+            with open(os.path.join(d, f"data{rank}.bin"), "wb") as f:
+                f.write(os.urandom(config["ckpt_bytes"]))
+            train.report({"it": it}, checkpoint=Checkpoint.from_directory(d))

@@ -4,8 +4,9 @@ Each trial starts a real 2-worker TorchTrainer job (gloo, DDP, a checkpoint ever
 iteration from both ranks, retention keeping two). Each launch of its driver is one of:
 SIGKILL the driver at a uniformly random moment, SIGKILL one worker at a random moment,
 a fault-injection point (`unbroken.faults`) that SIGKILLs a process at one step of the
-commit protocol (file writes, fsync, marker, rename, retention, atomic replaces), or every
-rank raising, exiting or being SIGKILLed right after it sent a report. Then the
+commit protocol (file writes, fsync, marker, rename, retention, atomic replaces), every
+rank raising, exiting or being SIGKILLed right after it sent a report, or (where a tmpfs
+can be mounted) a disk that fills up at a random moment. Then the
 run is restored (by `TorchTrainer.restore(path)` or by running the same trainer again
 under its name), again and again, until it finishes.
 
@@ -15,6 +16,8 @@ Invariants checked at every launch and at the end of each trial:
     the launch, and what the loop loads is intact (its own hash matches);
   - a round every rank reported is recorded, and its checkpoint committed, even when the
     ranks die right after sending it;
+  - a full disk fails the launch with StorageFullError, and the next launch (with room
+    again) resumes;
   - nothing under a committed checkpoint name is ever torn;
   - no leftovers (staging, half-deleted, quarantined dirs, atomic-write temps) at the end;
   - the metric timeline has each iteration exactly once, and its losses equal the
@@ -22,6 +25,7 @@ Invariants checked at every launch and at the end of each trial:
   - the final model equals the uninterrupted run's, bit for bit.
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3]
+(Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
 
@@ -194,10 +198,11 @@ def read_log(log: str) -> list[dict]:
 
 
 class Harness:
-    def __init__(self, seed: int, workdir: str, root: str) -> None:
+    def __init__(self, seed: int, workdir: str, root: str, disk: SmallDisk | None = None) -> None:
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.root = root  # where the runs live: the work directory, or an s3:// prefix
+        self.disk = disk  # the tmpfs the runs live on, when one could be mounted
         self.ctx = mp.get_context("fork")
         self.counts: Counter[str] = Counter()
         self.violations: list[str] = []
@@ -247,6 +252,8 @@ class Harness:
         if r < 0.65:
             action = self.rng.choice(REPORT_ACTIONS)
             return "report-fault", f"after_report:{self.rng.randint(1, 6)}:{action}", None
+        if r < 0.72 and self.disk is not None:
+            return "disk-full", None, None
         delay = self.rng.uniform(0, self.duration)
         return ("kill-driver" if r < 0.85 else "kill-worker"), None, delay
 
@@ -266,6 +273,8 @@ class Harness:
             fault_log = os.path.join(self.workdir, "faults")
             if os.path.exists(fault_log):
                 os.remove(fault_log)
+            if kind == "disk-full":
+                self.disk.leave_free(self.rng.randint(0, 40) * 4096)
             proc, outcome = self.launch(storage, name, log, how, fault)
             self.counts["launches"] += 1
             proc.join(delay)
@@ -287,6 +296,17 @@ class Harness:
                 if injected in COMMIT_POINTS + RETENTION_POINTS + WORKER_POINTS:
                     self.counts["kills inside commit"] += 1
             result = open(outcome).read() if os.path.exists(outcome) else "killed"
+            if kind == "disk-full":
+                self.disk.grow()
+                if result.startswith("error StorageFullError"):  # full before training began
+                    result = "failed" + result[len("error"):]
+                if result != "finished":
+                    kills += 1
+                    injected = "disk-full"
+                    self.counts["disk full"] += 1
+                    if "StorageFullError" not in result:
+                        self.violations.append(f"trial {index} launch {launch}: the disk filled up, "
+                                               f"but the run failed with {result}")
             self.check_launch(path, log, before, attempts_before, result, injected, index, launch)
             if injected == "after_report":
                 self.check_reported_round(path, before, fault, attempts_before,
@@ -368,6 +388,46 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+class SmallDisk:
+    """A tmpfs whose size the harness sets: to what is in use plus a little, so that it fills
+    up during the next launch, and back to plenty afterwards."""
+
+    ROOMY = 1 << 30
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @classmethod
+    def mount(cls, path: str) -> SmallDisk | None:
+        os.makedirs(path, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={cls.ROOMY}", "tmpfs", path],
+                              capture_output=True)
+        return cls(path) if done.returncode == 0 else None
+
+    def _resize(self, size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", self.path], check=True, capture_output=True)
+
+    def leave_free(self, free: int) -> None:
+        st = os.statvfs(self.path)
+        self._resize((st.f_blocks - st.f_bfree) * st.f_frsize + free)
+
+    def grow(self) -> None:
+        self._resize(self.ROOMY)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", self.path], capture_output=True)
+
+
+@contextlib.contextmanager
+def local_disk(workdir: str, wanted: bool) -> Iterator[SmallDisk | None]:
+    disk = SmallDisk.mount(os.path.join(workdir, "disk")) if wanted else None
+    try:
+        yield disk
+    finally:
+        if disk is not None:
+            disk.unmount()
+
+
 @contextlib.contextmanager
 def s3_server(wanted: bool) -> Iterator[str | None]:
     """A moto S3 server on loopback with a bucket; yields the runs' s3:// root (None if not wanted)."""
@@ -397,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root:
-        harness = Harness(seed, workdir, root or workdir)
+    with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \
+            local_disk(workdir, not args.s3) as disk:
+        harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk)
         harness.reference()
         for i in range(args.trials):
             seen = len(harness.violations)

@@ -90,7 +90,7 @@ class CheckpointManager:
                         committed_at=time.time())
         commit.commit(self.storage, commit.staging_name(iteration, attempt, self.storage), marker)
         self.committed.append(marker)
-        self._retain()
+        self.retain()
         return marker
 
     def _score(self, marker: Marker) -> float | None:
@@ -106,7 +106,9 @@ class CheckpointManager:
         scored = [m for m in self.committed if self._score(m) is not None]
         return sorted(scored, key=lambda m: (sign * self._score(m), m.iteration), reverse=True)
 
-    def _retain(self) -> None:
+    def retain(self) -> None:
+        """Delete what `num_to_keep` no longer keeps (never the latest); also at an attempt's
+        start, so that a restore with a smaller num_to_keep makes room before its first commit."""
         keep_n = self.config.num_to_keep
         if keep_n is None or len(self.committed) <= keep_n:
             return

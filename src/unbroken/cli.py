@@ -35,6 +35,7 @@ from unbroken.errors import (
     UnknownMetricError,
 )
 from unbroken.progress import format_value, is_terminal
+from unbroken.storage import format_bytes
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 _USAGE_ERRORS = (RunNotFoundError, UnknownMetricError)
@@ -345,13 +346,7 @@ def _when(t: float | None) -> str:
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    return "-" if n is None else format_bytes(n)
 
 
 def _or_dash(value: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 from unbroken import faults
 from unbroken.errors import CheckpointConflictError, TornCheckpointError
-from unbroken.storage import Storage
+from unbroken.storage import Storage, is_full
 
 MARKER = ".checkpoint.json"
 MARKER_VERSION = 1
@@ -93,14 +93,23 @@ def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) 
             rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
             if rel != MARKER:
                 pairs.append((src, rel))
-    if storage.is_local:
-        sums = []
-        for src, rel in pairs:
-            sums.append(storage.put_file(src, f"{staging}/{rel}"))
+    try:
+        if storage.is_local:
+            sums = []
+            for src, rel in pairs:
+                sums.append(storage.put_file(src, f"{staging}/{rel}"))
+                faults.point("after_file_write")
+        else:
+            sums = storage.put_files([(src, f"{staging}/{rel}") for src, rel in pairs])
             faults.point("after_file_write")
-    else:
-        sums = storage.put_files([(src, f"{staging}/{rel}") for src, rel in pairs])
-        faults.point("after_file_write")
+    except OSError as e:
+        if not is_full(e):
+            raise
+        for _, rel in pairs:  # free what this rank staged, so the failure can still be recorded
+            storage.remove(f"{staging}/{rel}")
+        size = sum(os.path.getsize(src) for src, _ in pairs)
+        name = staging.split(".tmp-")[0]
+        raise storage.full_error(f"for {name} (rank {rank}'s part of it)", size) from None
     entries = [FileEntry(rel, size, crc, rank) for (_, rel), (size, crc) in zip(pairs, sums, strict=True)]
     if storage.is_local:
         dirs = {posixpath.dirname(f"{staging}/{rel}") for _, rel in pairs}
@@ -178,6 +187,21 @@ def uncommit_and_delete(storage: Storage, name: str) -> None:
         storage.remove(f"{name}/{MARKER}")
         faults.point("during_delete")
         storage.remove(name)
+
+
+def remove_leftovers(storage: Storage, ended_attempts: int) -> None:
+    """Remove what attempts up to `ended_attempts` left uncommitted (local storage).
+
+    Safe without the run's lease once no live driver holds it: a driver that takes the run
+    from now on stages under a higher attempt number, and a half-deleted checkpoint is
+    garbage to every driver. Restores call it first, so that a run that stopped on a full
+    disk gets back the space its torn checkpoint held before anything else is written."""
+    if not storage.is_local:
+        return  # an upload in progress there looks like any other uncommitted one
+    for name in scan(storage)[1]:
+        kind, _, owner = name.rpartition(".")[2].partition("-")
+        if kind == "del" or (owner.isdigit() and int(owner) <= ended_attempts):
+            storage.remove(name)
 
 
 def scan(storage: Storage) -> tuple[list[str], list[str]]:

@@ -121,3 +121,7 @@ class SweepMismatchError(IdentityMismatchError):
 class InsufficientResourcesError(UnbrokenError, RuntimeError):
     """The engine cannot give the workers what ScalingConfig asks for (e.g. use_gpu=True on a
     machine where no GPU is visible)."""
+
+
+class StorageFullError(StorageError):
+    """The run's storage ran out of space (ENOSPC, or an object store's quota) while writing."""

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from unbroken.errors import MetricsNotSerializableError
-from unbroken.storage import Storage
+from unbroken.storage import Storage, is_full
 
 log = logging.getLogger("unbroken")
 
@@ -66,10 +66,16 @@ class History:
 
     def append(self, row: dict) -> None:
         assert self._rows is not None, "History.open() first"
+        line = json.dumps(row, default=repr) + "\n"
+        try:
+            self._file.write(line)
+            if self.storage.is_local:
+                self._file.flush()
+        except OSError as e:
+            if is_full(e):
+                raise self.storage.full_error(f"writing {RESULT_JSON}", len(line)) from None
+            raise
         self._rows.append(row)
-        self._file.write(json.dumps(row, default=repr) + "\n")
-        if self.storage.is_local:
-            self._file.flush()
 
     def sync(self) -> None:
         """Make every appended row durable (before a checkpoint commits, and at attempt end)."""

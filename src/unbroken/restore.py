@@ -23,6 +23,7 @@ from typing import Any
 
 import cloudpickle
 
+from unbroken.commit import remove_leftovers
 from unbroken.engine import check_can_run
 from unbroken.errors import (
     IdentityMismatchError,
@@ -33,7 +34,7 @@ from unbroken.errors import (
     UnknownOverrideError,
     UnsavableArgumentError,
 )
-from unbroken.lease import Lease
+from unbroken.lease import Lease, live_holder
 from unbroken.manifest import FINISHED, META_DIR, RunManifest
 from unbroken.manifest import is_run_dir as manifest_exists
 from unbroken.manifest import load as load_manifest
@@ -423,10 +424,14 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
             raise RunNotFoundError(f"no run at {path!r} and RunConfig(resume='must') requires one. "
                                    "Hint: check name and storage_path, or use resume='auto'")
 
+    if manifest is not None and live_holder(storage) is None:
+        remove_leftovers(storage, manifest.attempt_count)  # frees what a torn checkpoint holds
     storage.makedirs(META_DIR)
     lease = Lease(storage)
     lease.acquire()
     try:
+        for where in ("", META_DIR):  # before writing: the temps a killed driver left
+            storage.remove_stale_temps(where)
         previous = None
         if manifest is not None:
             manifest = load_manifest(storage)  # re-read under the lease

@@ -51,9 +51,8 @@ class Run:
     def begin_attempt(self, num_workers: int) -> Marker | None:
         """Start a new attempt from the newest committed checkpoint; returns its marker."""
         self.lease.beat()
-        for where in ("", mf.META_DIR):
-            self.storage.remove_stale_temps(where)
         resume = self.checkpoints.recover()
+        self.checkpoints.retain()
         for earlier in self.manifest.attempts:
             if earlier.status == mf.RUNNING:  # its driver died without recording an end
                 earlier.status = mf.ABORTED

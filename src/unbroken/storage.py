@@ -7,12 +7,15 @@ replacements are atomic renames; on object stores a single put is atomic by itse
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import posixpath
 import re
+import shutil
 import time
 import zlib
 from collections.abc import Callable
@@ -22,7 +25,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from unbroken import faults
-from unbroken.errors import StorageError
+from unbroken.errors import StorageError, StorageFullError
 
 log = logging.getLogger("unbroken")
 T = TypeVar("T")
@@ -40,6 +43,7 @@ _TRANSIENT_NAMES = ("Connect", "Timeout", "Endpoint", "Disconnect", "Reset", "In
                     "SlowDown", "Unavailable", "Payload", "Streaming")
 
 _CHUNK = 8 << 20
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 # fsspec protocol -> the package that provides it, for the "not installed" hint.
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
@@ -73,6 +77,20 @@ def _transient(e: BaseException) -> bool:
 
 def retry_budget_s() -> float:
     return float(os.environ.get(RETRY_ENV, DEFAULT_RETRY_S))
+
+
+def is_full(e: BaseException) -> bool:
+    """Is `e` the filesystem saying it has no space (or quota) left?"""
+    return isinstance(e, OSError) and e.errno in _FULL
+
+
+def format_bytes(n: int | float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _local_sum(path: str) -> tuple[int, int]:
@@ -250,9 +268,36 @@ class Storage:
             faults.point("before_replace")
             os.replace(tmp, path)
         except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)  # a half-written temp must not hold the space it failed to get
+            if is_full(e):
+                raise self.full_error(f"writing {rel}", len(data)) from None
             raise StorageError(f"cannot write {path!r}: {e}. "
                                "Hint: choose a storage_path you can write to") from None
         _fsync_dir(os.path.dirname(path))
+
+    def free_bytes(self) -> int | None:
+        """Free space where this storage lives (None where a filesystem cannot tell)."""
+        if not self.is_local:
+            return None
+        path = self.root
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            return None
+
+    def full_error(self, what: str, needed: int | None) -> StorageFullError:
+        """The error for running out of space while `what` (which needed `needed` bytes)."""
+        free = self.free_bytes()
+        sizes = ", ".join(x for x in (f"{format_bytes(needed)} needed" if needed is not None else "",
+                                      f"{format_bytes(free)} free" if free is not None else "") if x)
+        return StorageFullError(
+            f"storage {self.url()!r} is full: no space left {what}" + (f" ({sizes})" if sizes else "")
+            + ". Hint: keep fewer checkpoints with CheckpointConfig(num_to_keep=N) (a restore with "
+            "run_config=RunConfig(checkpoint_config=...) applies it before anything is written), or "
+            "make room; then restore the run: it resumes from its latest committed checkpoint")
 
     def write_conditional(self, rel: str, data: bytes, expect: str | None) -> str | None:
         """Write `rel` only if it is still at version `expect` (CREATE: only if absent) and
