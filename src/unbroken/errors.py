@@ -118,6 +118,11 @@ class SweepMismatchError(IdentityMismatchError):
     """A sweep's search space or tune settings differ from the ones it was started with."""
 
 
+class PickleRefusedError(RestoreArgumentError):
+    """restore(..., allow_pickle=False) would have had to unpickle something stored with the run
+    (unpickling can run code); nothing was unpickled."""
+
+
 class InsufficientResourcesError(UnbrokenError, RuntimeError):
     """The engine cannot give the workers what ScalingConfig asks for (e.g. use_gpu=True on a
     machine where no GPU is visible)."""

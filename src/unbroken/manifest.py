@@ -22,7 +22,10 @@ T = TypeVar("T")
 
 log = logging.getLogger("unbroken")
 
-SCHEMA_VERSION = 1
+# 2: pickled arguments are one file each under .unbroken/pickled/; 1 kept them in one pickled
+# dict, .unbroken/trainer.pkl (still read, see restore.SavedPickles).
+SCHEMA_VERSION = 2
+PICKLED_FILES_SINCE = 2
 META_DIR = ".unbroken"
 RUN_JSON = f"{META_DIR}/run.json"
 RUN_PREV_JSON = f"{META_DIR}/run.prev.json"

@@ -2,9 +2,11 @@
 identity is, and how a trainer is rebuilt from a run directory.
 
 Arguments that are plain data go into run.json as JSON. Functions importable by module
-path are saved by reference. Everything else is cloudpickled *one argument at a time*
-into trainer.pkl, so an argument that no longer loads is named, and re-specifying it
-means the stored copy is never unpickled. Datasets are never pickled.
+path are saved by reference. Everything else is cloudpickled *one argument at a time*,
+each into its own file under `.unbroken/pickled/`, so an argument that no longer loads is
+named, re-specifying it means the stored copy is never read, and nothing is unpickled
+that restore() does not need (`allow_pickle=False`: nothing at all). Datasets are never
+pickled.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ import logging
 import pickle
 import posixpath
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
 
+from unbroken import __version__
 from unbroken.commit import remove_leftovers
 from unbroken.engine import check_can_run
 from unbroken.errors import (
     IdentityMismatchError,
+    PickleRefusedError,
     RestoreArgumentError,
     RunExistsError,
     RunNotFoundError,
@@ -35,7 +40,7 @@ from unbroken.errors import (
     UnsavableArgumentError,
 )
 from unbroken.lease import Lease, live_holder
-from unbroken.manifest import FINISHED, META_DIR, RunManifest
+from unbroken.manifest import FINISHED, META_DIR, PICKLED_FILES_SINCE, SCHEMA_VERSION, RunManifest
 from unbroken.manifest import is_run_dir as manifest_exists
 from unbroken.manifest import load as load_manifest
 from unbroken.session import is_dataset_builder
@@ -43,13 +48,14 @@ from unbroken.storage import Storage
 
 log = logging.getLogger("unbroken")
 
-TRAINER_PKL = f"{META_DIR}/trainer.pkl"
+PICKLED_DIR = f"{META_DIR}/pickled"  # one file per pickled argument: its cloudpickle bytes
+LEGACY_TRAINER_PKL = f"{META_DIR}/trainer.pkl"  # schema 1: one pickled {name: cloudpickle bytes}
 PARAMS_JSON = "params.json"
 DATASETS = "datasets"
 # Arguments that may change between attempts; every other plain argument is the run's identity.
 MUTABLE = frozenset({"scaling_config", "run_config", "backend_config", "resume_from_checkpoint",
                      "torch_config"})
-_CLASS_ENTRY = "__trainer_class__"
+CLASS_ENTRY = "__trainer_class__"
 
 
 def encode_or_pickle(value: Any, what: str, json_out: dict[str, Any], pickles: dict[str, bytes],
@@ -131,8 +137,12 @@ def decode(value: Any) -> Any:
         if "__ref__" in value:
             return import_by_name(value["__ref__"])
         if "__dataclass__" in value:
+            cls = import_by_name(value["__dataclass__"])
+            if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+                # run.json names what to call; only a dataclass's constructor is ever called.
+                raise TypeError(f"{value['__dataclass__']} is not a dataclass")
             fields = {k: decode(v) for k, v in value["fields"].items()}
-            return import_by_name(value["__dataclass__"])(**fields)
+            return cls(**fields)
         return {k: decode(v) for k, v in value.items()}
     return value
 
@@ -265,12 +275,12 @@ def encode_trainer(trainer_class: type, init_args: dict[str, Any]) -> SavedTrain
             value = builders
         encode_or_pickle(value, f"argument {name!r} of {trainer_class.__name__}", params, pickles, name)
     if _reference(trainer_class) is None:
-        pickles[_CLASS_ENTRY] = cloudpickle.dumps(trainer_class)
+        pickles[CLASS_ENTRY] = cloudpickle.dumps(trainer_class)
     ident = identity(trainer_class, init_args)
     fields = dict(
         trainer_class=qualified_name(trainer_class),
         trainer_mro=[qualified_name(c) for c in trainer_class.__mro__ if c is not object],
-        params=params, pickled_params=sorted(k for k in pickles if k != _CLASS_ENTRY),
+        params=params, pickled_params=sorted(k for k in pickles if k != CLASS_ENTRY),
         must_respecify=must_respecify, dataset_names=sorted(init_args.get(DATASETS) or {}),
         identity=ident, identity_fingerprint=fingerprint(ident),
         code_fingerprints=code_fingerprints(init_args))
@@ -279,15 +289,146 @@ def encode_trainer(trainer_class: type, init_args: dict[str, Any]) -> SavedTrain
 
 
 def write_trainer(storage: Storage, manifest: RunManifest, saved: SavedTrainer) -> None:
-    """Write trainer.pkl and params.json and fill the manifest (saved by the caller)."""
+    """Write the pickled arguments (one file each) and params.json and fill the manifest
+    (saved by the caller). `manifest` is still the one on storage, or a new one."""
+    keep = manifest.pickled_params if pickled_files(manifest.schema_version) else ()
+    write_pickles(storage, PICKLED_DIR, saved.pickles, keep=keep)
+    if pickled_files(manifest.schema_version) and storage.exists(LEGACY_TRAINER_PKL):
+        storage.remove(LEGACY_TRAINER_PKL)  # left by a schema 1 run that has been rewritten since
     for key, value in saved.fields.items():
         setattr(manifest, key, value)
-    storage.write_atomic(TRAINER_PKL, pickle.dumps(saved.pickles))
+    manifest.schema_version, manifest.package_version = SCHEMA_VERSION, __version__
     storage.write_atomic(PARAMS_JSON, saved.params_json)
 
 
+# -- pickled arguments on storage ---------------------------------------------------------
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def pickle_file(directory: str, name: str) -> str:
+    """The file holding the pickled argument `name`: lower-case letters, digits, '_' and '-'
+    are kept, every other character is %XX-escaped (UTF-8), so that two names never share a
+    file, not even on a case-insensitive filesystem; a very long name is cut and hashed."""
+    out = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in name)
+    if len(out) > 200:
+        out = f"{out[:150]}~{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    return f"{directory}/{out}.pkl"
+
+
+def write_pickles(storage: Storage, directory: str, pickles: dict[str, bytes],
+                  keep: Iterable[str] = ()) -> None:
+    """Write each blob to its own file under `directory`, atomically, then remove the files
+    there that belong neither to `pickles` nor to `keep` (the names that the manifest still on
+    storage refers to, until the caller saves the new one). Only under the lease."""
+    if pickles:
+        storage.makedirs(directory)
+    for name, blob in pickles.items():
+        storage.write_atomic(pickle_file(directory, name), blob)
+    wanted = {posixpath.basename(pickle_file(directory, n)) for n in [*pickles, *keep]}
+    for entry in storage.listdir(directory):
+        if entry.endswith(".pkl") and entry not in wanted:
+            storage.remove(f"{directory}/{entry}")
+    storage.remove_stale_temps(directory)
+
+
+def pickled_files(schema_version: Any) -> bool:
+    """Whether a manifest of this schema keeps its pickles one file each (else one container)."""
+    return isinstance(schema_version, int) and schema_version >= PICKLED_FILES_SINCE
+
+
+class SavedPickles:
+    """The pickled arguments stored with a run (or a sweep), each unpickled only when asked for.
+
+    Schema 2 and later: one file per argument under `directory`, holding its cloudpickle
+    bytes. A schema 1 run kept them all in one pickled dict, `legacy`, which has to be
+    unpickled whole to get at any one of them. With `allow=False` nothing is ever unpickled:
+    `load` raises PickleRefusedError (restore() checks before it loads anything, so that
+    the refusal lists everything to re-specify)."""
+
+    def __init__(self, storage: Storage, directory: str, legacy: str | None = None,
+                 allow: bool = True) -> None:
+        self.storage, self.directory, self.legacy, self.allow = storage, directory, legacy, allow
+        self._container: dict[str, bytes] | None = None
+
+    @classmethod
+    def of_run(cls, storage: Storage, manifest: RunManifest, allow: bool = True) -> SavedPickles:
+        legacy = None if pickled_files(manifest.schema_version) else LEGACY_TRAINER_PKL
+        return cls(storage, PICKLED_DIR, legacy, allow)
+
+    def has(self, name: str) -> bool | None:
+        """Whether `name` was stored; None when that cannot be known without unpickling."""
+        return None if self.legacy is not None else self.storage.exists(pickle_file(self.directory, name))
+
+    def load(self, name: str) -> Any:
+        """Unpickle `name`; FileNotFoundError if it was not stored."""
+        if not self.allow:
+            raise PickleRefusedError(f"{name} would have to be unpickled, and allow_pickle=False")
+        if self.legacy is None:
+            return cloudpickle.loads(self.storage.read_bytes(pickle_file(self.directory, name)))
+        if self._container is None:
+            self._container = pickle.loads(self.storage.read_bytes(self.legacy))
+        if name not in self._container:
+            raise FileNotFoundError(f"{name} is not in {self.legacy}")
+        return cloudpickle.loads(self._container[name])
+
+
+def refuse_pickles(what: list[str], path: str, call: str, respecify: list[str], notes: str = "",
+                   kind: str = "run") -> None:
+    """PickleRefusedError listing `what` restore(allow_pickle=False) would have had to unpickle,
+    raised before anything is; the hint is `call` (a restore call ending in ")") with
+    `respecify` filled in, and `notes`."""
+    if not what:
+        return
+    hints = []
+    if respecify:
+        args = "".join(f", {name}=..." for name in respecify)
+        hints.append(f"re-specify {' and '.join(respecify)}: {call[:-1]}{args})")
+    if notes:
+        hints.append(notes)
+    hints.append("or, only if you trust this directory, pass allow_pickle=True")
+    raise PickleRefusedError(
+        f"restore with allow_pickle=False refuses the {kind} at {path!r}: restoring it would unpickle "
+        f"{' and '.join(what)}, and unpickling can run code. Nothing was unpickled. "
+        f"Hint: {'; '.join(hints)}")
+
+
+def pickles_needed(pickles: SavedPickles, manifest: RunManifest, requested: type,
+                   overrides: dict[str, Any]) -> tuple[list[str], bool]:
+    """(the saved arguments restore would unpickle, whether it would unpickle the trainer
+    class too); reads only the manifest and, for the class, tries importing it."""
+    needed = [n for n in manifest.pickled_params if n not in overrides]
+    requested_name = qualified_name(requested)
+    cls_needed = False
+    if requested_name != manifest.trainer_class and requested_name in manifest.trainer_mro:
+        try:
+            import_by_name(manifest.trainer_class)
+        except (ImportError, AttributeError):
+            cls_needed = pickles.has(CLASS_ENTRY) is not False
+    return needed, cls_needed
+
+
+def check_trainer_pickles(pickles: SavedPickles, manifest: RunManifest, requested: type,
+                          overrides: dict[str, Any], path: str) -> None:
+    """For restore(allow_pickle=False): PickleRefusedError, before anything is unpickled, if
+    rebuilding the trainer would unpickle anything."""
+    requested_name = qualified_name(requested)
+    if requested_name != manifest.trainer_class and requested_name not in manifest.trainer_mro:
+        return  # resolve_class names the saved class
+    needed, cls_needed = pickles_needed(pickles, manifest, requested, overrides)
+    saved_cls = manifest.trainer_class.split(":")[-1]
+    what = [f"the argument{'s' if len(needed) > 1 else ''} {', '.join(map(repr, needed))}"] if needed else []
+    notes = ""
+    if cls_needed:
+        module = manifest.trainer_class.split(":")[0]
+        what.append(f"the trainer class {manifest.trainer_class} (it cannot be imported here)")
+        notes = (f"for the class, call restore on the class itself, {saved_cls}.restore(...)"
+                 + (", in a script that defines it" if module == "__main__" else
+                    f", or make the module {module!r} importable (PYTHONPATH)"))
+    refuse_pickles(what, path, f"{requested.__name__}.restore({path!r}, allow_pickle=False)", needed, notes)
+
+
 # -- loading ------------------------------------------------------------------------------
-def resolve_class(storage: Storage, manifest: RunManifest, requested: type, path: str) -> type:
+def resolve_class(pickles: SavedPickles, manifest: RunManifest, requested: type, path: str) -> type:
     """The class to rebuild: `requested` itself, or the saved subclass of it."""
     requested_name = qualified_name(requested)
     if requested_name == manifest.trainer_class:
@@ -298,23 +439,23 @@ def resolve_class(storage: Storage, manifest: RunManifest, requested: type, path
             f"the run at {path!r} was saved by {manifest.trainer_class}, which is not a "
             f"{requested.__name__}. Hint: use {saved}.restore({path!r}), or BaseTrainer.restore "
             "to get whatever class was saved")
-    return _load_saved_class(storage, manifest, path)
+    return _load_saved_class(pickles, manifest, path)
 
 
-def _load_saved_class(storage: Storage, manifest: RunManifest, path: str) -> type:
+def _load_saved_class(pickles: SavedPickles, manifest: RunManifest, path: str) -> type:
     try:
         return import_by_name(manifest.trainer_class)
     except (ImportError, AttributeError):
         pass
-    blobs = pickle.loads(storage.read_bytes(TRAINER_PKL))
-    if _CLASS_ENTRY not in blobs:
+    try:
+        return pickles.load(CLASS_ENTRY)
+    except FileNotFoundError:
         raise RestoreArgumentError(f"the trainer class {manifest.trainer_class} saved in {path!r} cannot be "
-                         "imported. Hint: make its module importable (PYTHONPATH), or call "
-                         "restore on the class itself")
-    return cloudpickle.loads(blobs[_CLASS_ENTRY])
+                                   "imported. Hint: make its module importable (PYTHONPATH), or call "
+                                   "restore on the class itself") from None
 
 
-def load_init_args(storage: Storage, manifest: RunManifest, cls: type, overrides: dict[str, Any],
+def load_init_args(pickles: SavedPickles, manifest: RunManifest, cls: type, overrides: dict[str, Any],
                    path: str) -> dict[str, Any]:
     """The saved arguments, with `overrides` taking the place of (never loading) saved ones."""
     valid = sorted(set(manifest.params) | set(manifest.pickled_params) | set(manifest.must_respecify)
@@ -327,17 +468,18 @@ def load_init_args(storage: Storage, manifest: RunManifest, cls: type, overrides
     for name, value in manifest.params.items():
         if name not in overrides:
             args[name] = decode(value)
-    needed = [n for n in manifest.pickled_params if n not in overrides]
-    if needed:
-        blobs = pickle.loads(storage.read_bytes(TRAINER_PKL))
-        for name in needed:
-            try:
-                args[name] = cloudpickle.loads(blobs[name])
-            except Exception as e:
-                raise RestoreArgumentError(
-                    f"argument {name!r} saved with the run at {path!r} can no longer be loaded "
-                    f"({type(e).__name__}: {e}). Hint: re-specify it: "
-                    f"{cls.__name__}.restore({path!r}, {name}=...)") from None
+    for name in manifest.pickled_params:
+        if name in overrides:
+            continue
+        try:
+            args[name] = pickles.load(name)
+        except PickleRefusedError:
+            raise
+        except Exception as e:
+            raise RestoreArgumentError(
+                f"argument {name!r} saved with the run at {path!r} can no longer be loaded "
+                f"({type(e).__name__}: {e}). Hint: re-specify it: "
+                f"{cls.__name__}.restore({path!r}, {name}=...)") from None
     for name in manifest.must_respecify:
         if name not in overrides:
             keys = ", ".join(f"{k!r}: ..." for k in manifest.dataset_names) if name == DATASETS else ""
@@ -362,7 +504,7 @@ def load_saved_arg(storage: Storage, manifest: RunManifest, name: str) -> Any:
     if name in manifest.params:
         return decode(manifest.params[name])
     if name in manifest.pickled_params:
-        return cloudpickle.loads(pickle.loads(storage.read_bytes(TRAINER_PKL))[name])
+        return SavedPickles.of_run(storage, manifest).load(name)
     return None
 
 
@@ -377,7 +519,7 @@ def _is_fresh_dir(storage: Storage) -> bool:
     if not entries:
         return True
     return entries == [META_DIR] and all(
-        e in ("lease.json", "trainer.pkl") or ".tmp-" in e for e in storage.listdir(META_DIR))
+        e in ("lease.json", "pickled", "trainer.pkl") or ".tmp-" in e for e in storage.listdir(META_DIR))
 
 
 def restore_hint(trainer_class: type, path: str) -> str:

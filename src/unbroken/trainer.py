@@ -77,19 +77,26 @@ class BaseTrainer:
         return Result.from_path(run.path, self.run_config.storage_filesystem)
 
     @classmethod
-    def restore(cls: type[T], path: str | os.PathLike, **overrides: Any) -> T:
+    def restore(cls: type[T], path: str | os.PathLike, *, allow_pickle: bool = True, **overrides: Any) -> T:
         """Rebuild the trainer saved in the run at `path`; its fit() continues the run.
 
         Any constructor argument may be re-specified by name; a re-specified argument's
         stored copy is never loaded. Called on BaseTrainer, returns whatever class was saved.
+        Arguments that are not re-specified and were stored pickled are unpickled, and
+        unpickling can run code: `allow_pickle=False` unpickles nothing, and raises
+        PickleRefusedError, naming the arguments to re-specify, where something would have to
+        be unpickled. (`allow_pickle` is restore's own keyword, not a constructor argument.)
         """
         path = os.fspath(path)
         run_config = overrides.get("run_config")
         storage = Storage.from_url(path, getattr(run_config, "storage_filesystem", None))
         manifest = mf.load(storage)
         url = storage.url()
-        target = rs.resolve_class(storage, manifest, cls, url)
-        args = rs.load_init_args(storage, manifest, target, overrides, url)
+        pickles = rs.SavedPickles.of_run(storage, manifest, allow=allow_pickle)
+        if not allow_pickle:
+            rs.check_trainer_pickles(pickles, manifest, cls, overrides, url)
+        target = rs.resolve_class(pickles, manifest, cls, url)
+        args = rs.load_init_args(pickles, manifest, target, overrides, url)
         saved_config = args.get("run_config") or RunConfig()
         name = url.rstrip("/").rsplit("/", 1)[-1]
         args["run_config"] = dataclasses.replace(saved_config, name=name,

@@ -28,10 +28,16 @@ from unbroken.storage import Storage
 
 log = logging.getLogger("unbroken")
 
-SCHEMA_VERSION = 1
+# 2: the pickled Tuner arguments are one file each under .unbroken/pickled/tuner/, and a Trainer
+# trainable's under .unbroken/pickled/trainable/; 1 kept them in two pickled dicts, tuner.pkl
+# and trainer.pkl (still read, only when needed and allowed).
+SCHEMA_VERSION = 2
 SWEEP_JSON = f"{META_DIR}/sweep.json"
 SWEEP_PREV_JSON = f"{META_DIR}/sweep.prev.json"
-TUNER_PKL = f"{META_DIR}/tuner.pkl"
+TUNER_PICKLED = f"{META_DIR}/pickled/tuner"
+TRAINABLE_PICKLED = f"{META_DIR}/pickled/trainable"
+LEGACY_TUNER_PKL = f"{META_DIR}/tuner.pkl"
+LEGACY_TRAINER_PKL = f"{META_DIR}/trainer.pkl"
 RESTARTED_DIR = f"{META_DIR}/restarted"
 
 # Trial statuses (Ray Tune's names, plus INTERRUPTED for a trial stopped by a signal).
@@ -75,7 +81,7 @@ class SweepManifest:
     identity: dict[str, Any] = field(default_factory=dict)
     trainable: dict[str, Any] = field(default_factory=dict)  # kind, name, and a trainer's encoded fields
     params: dict[str, Any] = field(default_factory=dict)     # JSON-encoded Tuner arguments
-    pickled_params: list[str] = field(default_factory=list)  # the ones in tuner.pkl instead
+    pickled_params: list[str] = field(default_factory=list)  # the ones pickled instead
     searcher: dict[str, Any] = field(default_factory=dict)   # the search algorithm's description
     scheduler: dict[str, Any] | None = None
     num_samples: int = 1

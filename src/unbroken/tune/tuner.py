@@ -1,9 +1,9 @@
 """Tuner: fit, restore and can_restore for sweeps.
 
 A sweep is `<storage_path>/<RunConfig name>/`, with `.unbroken/sweep.json` (the manifest),
-`.unbroken/tuner.pkl` (the Tuner arguments that are not plain data), `.unbroken/trainer.pkl`
-(a Trainer trainable's non-JSON arguments, saved as a run saves them), `.unbroken/lease.json`
-and one run directory per trial. The restore rules mirror a single run's:
+`.unbroken/pickled/tuner/` (the Tuner arguments that are not plain data, one file each),
+`.unbroken/pickled/trainable/` (a Trainer trainable's non-JSON arguments, saved as a run saves
+them), `.unbroken/lease.json` and one run directory per trial. The restore rules mirror a single run's:
 
 - Running the same script again resumes the sweep (`RunConfig.resume="auto"`), once its
   identity (trainable kind, param_space, num_samples, metric, mode, search algorithm,
@@ -18,20 +18,20 @@ and one run directory per trial. The restore rules mirror a single run's:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
-import pickle
 import posixpath
 import random
 import time
 from typing import Any
 
-import cloudpickle
-
+from unbroken import __version__
 from unbroken import manifest as mf
 from unbroken import restore as rs
 from unbroken.config import RunConfig
 from unbroken.errors import (
+    PickleRefusedError,
     RestoreArgumentError,
     RunExistsError,
     RunNotFoundError,
@@ -54,7 +54,7 @@ from unbroken.tune.tune_config import TuneConfig
 
 log = logging.getLogger("unbroken")
 
-_FRESH_META = ("lease.json", "tuner.pkl", "trainer.pkl")
+_FRESH_META = ("lease.json", "pickled", "tuner.pkl", "trainer.pkl")
 
 
 class Tuner:
@@ -251,7 +251,8 @@ class Tuner:
     def restore(cls, path: str | os.PathLike, trainable: Any = None, resume_unfinished: bool = True,
                 resume_errored: bool = False, restart_errored: bool = False,
                 param_space: dict[str, Any] | None = None, tune_config: TuneConfig | None = None,
-                storage_filesystem: Any = None) -> Tuner:
+                storage_filesystem: Any = None, *, run_config: RunConfig | None = None,
+                allow_pickle: bool = True) -> Tuner:
         """Rebuild the Tuner of the sweep at `path`; its fit() continues the sweep.
 
         - finished trials are kept; unfinished ones continue from their latest checkpoints
@@ -264,7 +265,11 @@ class Tuner:
           search domains;
         - `tune_config=TuneConfig(num_samples=larger)` extends the sweep on purpose;
           its `max_concurrent_trials` replaces the saved one; its other settings must be
-          None or equal to the saved ones.
+          None or equal to the saved ones;
+        - `run_config` replaces the saved RunConfig (name and storage_path still come from `path`);
+        - `allow_pickle=False` unpickles nothing stored with the sweep (unpickling can run code):
+          where something would have to be unpickled, PickleRefusedError names what to
+          re-specify (`trainable`, `param_space`, `run_config`).
         """
         storage = Storage.from_url(os.fspath(path), storage_filesystem)
         if not sw.is_sweep_dir(storage):
@@ -274,19 +279,24 @@ class Tuner:
             raise sw.not_a_sweep(storage)
         manifest = sw.load(storage)
         url = storage.url()
-        loader = _Saved(storage, manifest, url)
+        loader = _Saved(storage, manifest, url, allow_pickle)
+        if not allow_pickle:
+            loader.check_pickles(trainable is not None, param_space is not None, run_config is not None)
         if trainable is None:
             trainable = loader.trainable()
         else:
             _check_trainable_matches(manifest, trainable, url)
-        space = loader.param_space()
         if param_space is not None:
-            _check_same_shape(space, param_space, url)
+            _check_same_shape(loader.param_space_shape(), param_space, url)
             space = param_space
+        else:
+            space = loader.param_space()
         tc = loader.tune_config()
         if tune_config is not None:
             tc = _amend_tune_config(tc, tune_config, manifest, url)
-        rc = loader.run_config() or RunConfig()
+        rc = run_config if run_config is not None else (loader.run_config() or RunConfig())
+        if not isinstance(rc, RunConfig):
+            raise TypeError(f"run_config must be a RunConfig, got {type(rc).__name__}")
         name = url.rstrip("/").rsplit("/", 1)[-1]
         rc = dataclasses.replace(rc, name=name, storage_path=url[: -len(name) - 1],
                                  storage_filesystem=storage_filesystem or rc.storage_filesystem)
@@ -363,6 +373,10 @@ class _Encoded:
 
 def _encode(tuner: Tuner) -> _Encoded:
     params: dict[str, Any] = {"param_space": {}, "param_space_keys": list(tuner.param_space)}
+    try:  # lets Tuner.restore(param_space=...) check the new one without unpickling the old one
+        params["param_space_shape"] = _shape(tuner.param_space)
+    except (TypeError, ValueError):
+        pass
     pickles: dict[str, bytes] = {}
     for key, value in tuner.param_space.items():
         rs.encode_or_pickle(value, f"param_space[{key!r}] of the Tuner", params["param_space"], pickles, key,
@@ -379,11 +393,25 @@ def _encode(tuner: Tuner) -> _Encoded:
 
 
 def _write(storage: Storage, manifest: sw.SweepManifest, saved: _Encoded) -> None:
-    storage.write_atomic(sw.TUNER_PKL, pickle.dumps(saved.pickles))
-    if saved.trainer_pickles is not None:
-        storage.write_atomic(rs.TRAINER_PKL, pickle.dumps(saved.trainer_pickles))
+    """Write the pickled Tuner arguments and a Trainer trainable's pickled arguments, one file
+    each, and fill the manifest (saved by the caller); `manifest` is still the one on storage."""
+    current = rs.pickled_files(manifest.schema_version)
+    keep = manifest.pickled_params if current else ()
+    rs.write_pickles(storage, sw.TUNER_PICKLED, saved.pickles, keep)
+    keep = manifest.trainable.get("pickled_params", []) if current else ()
+    rs.write_pickles(storage, sw.TRAINABLE_PICKLED, saved.trainer_pickles or {}, keep)
+    if current:  # left by a schema 1 sweep that has been rewritten since
+        for legacy in (sw.LEGACY_TUNER_PKL, sw.LEGACY_TRAINER_PKL):
+            if storage.exists(legacy):
+                storage.remove(legacy)
     manifest.params, manifest.pickled_params = saved.params, sorted(saved.pickles)
     manifest.trainable = saved.trainable
+    manifest.schema_version, manifest.package_version = sw.SCHEMA_VERSION, __version__
+
+
+def _shape(space: dict[str, Any]) -> dict[str, Any]:
+    """The param_space's shape (search_space.shape) as it reads back from JSON."""
+    return json.loads(json.dumps(ss.shape(space), default=repr))
 
 
 def _is_fresh_dir(storage: Storage) -> bool:
@@ -397,22 +425,68 @@ def _is_fresh_dir(storage: Storage) -> bool:
 
 # -- loading it back ------------------------------------------------------------------------------
 class _Saved:
-    """The saved Tuner arguments of a sweep, each decoded or unpickled on its own."""
+    """The saved Tuner arguments of a sweep, each decoded or unpickled on its own, and only
+    when needed (with allow=False, never unpickled)."""
 
-    def __init__(self, storage: Storage, manifest: sw.SweepManifest, path: str) -> None:
+    def __init__(self, storage: Storage, manifest: sw.SweepManifest, path: str, allow: bool = True) -> None:
         self.storage, self.manifest, self.path = storage, manifest, path
-        self._blobs: dict[str, bytes] | None = None
+        legacy = not rs.pickled_files(manifest.schema_version)
+        self.pickles = rs.SavedPickles(storage, sw.TUNER_PICKLED, sw.LEGACY_TUNER_PKL if legacy else None,
+                                       allow)
+        self.trainer_pickles = rs.SavedPickles(storage, sw.TRAINABLE_PICKLED,
+                                               sw.LEGACY_TRAINER_PKL if legacy else None, allow)
 
     def _blob(self, name: str, hint: str) -> Any:
-        if self._blobs is None:
-            self._blobs = pickle.loads(self.storage.read_bytes(sw.TUNER_PKL))
         try:
-            return cloudpickle.loads(self._blobs[name])
+            return self.pickles.load(name)
+        except PickleRefusedError:
+            raise
         except Exception as e:
             raise RestoreArgumentError(
                 f"{name} saved with the sweep at {self.path!r} can no longer be loaded "
                 f"({type(e).__name__}: {e}). Hint: re-specify it: "
                 f"Tuner.restore({self.path!r}, {hint})") from None
+
+    def check_pickles(self, trainable_given: bool, space_given: bool, run_config_given: bool) -> None:
+        """For Tuner.restore(allow_pickle=False): PickleRefusedError, before anything is
+        unpickled, if restoring would unpickle anything."""
+        m = self.manifest
+        what, respecify, notes = [], [], []
+        if not trainable_given:
+            t = m.trainable
+            if t.get("kind") == "function":
+                needed = "trainable" in m.pickled_params
+            else:
+                args, cls_needed = rs.pickles_needed(self.trainer_pickles, self._trainer_manifest(),
+                                                     BaseTrainer, {})
+                needed = bool(args) or cls_needed
+            if needed:
+                what.append(f"the trainable {t.get('name')!r}")
+                respecify.append("trainable")
+        keys = [n.split("/", 1)[1] for n in m.pickled_params if n.startswith("param_space/")]
+        if keys and not (space_given and isinstance(m.params.get("param_space_shape"), dict)):
+            what.append(f"the param_space value{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys))}")
+            if space_given:
+                notes.append("this sweep was saved by an older unbroken, which needs the saved param_space "
+                             "to check the new one's keys and search domains")
+            else:
+                respecify.append("param_space")
+        if "tune_config" in m.pickled_params:
+            what.append("the tune_config")
+            notes.append("tune_config cannot be re-specified whole (Tuner.restore(tune_config=...) amends "
+                         "the saved one)")
+        if "run_config" in m.pickled_params and not run_config_given:
+            what.append("the run_config")
+            respecify.append("run_config")
+        call = f"Tuner.restore({self.path!r}{', trainable' if trainable_given else ''}, allow_pickle=False)"
+        rs.refuse_pickles(what, self.path, call, respecify, "; ".join(notes), kind="sweep")
+
+    def _trainer_manifest(self) -> mf.RunManifest:
+        t = self.manifest.trainable
+        return mf.RunManifest(name=self.manifest.name, trainer_class=t["trainer_class"],
+                              trainer_mro=t["trainer_mro"], params=t["params"],
+                              pickled_params=t["pickled_params"], must_respecify=t["must_respecify"],
+                              dataset_names=t["dataset_names"])
 
     def _decode(self, slot: str, hint: str) -> Any:
         try:
@@ -430,13 +504,12 @@ class _Saved:
             if "trainable" in self.manifest.params:
                 return self._decode("trainable", hint)
             return self._blob("trainable", hint)
-        saved = mf.RunManifest(name=self.manifest.name, trainer_class=t["trainer_class"],
-                               trainer_mro=t["trainer_mro"], params=t["params"],
-                               pickled_params=t["pickled_params"], must_respecify=t["must_respecify"],
-                               dataset_names=t["dataset_names"])
+        saved = self._trainer_manifest()
         try:
-            cls = rs.resolve_class(self.storage, saved, BaseTrainer, self.path)
-            return cls(**rs.load_init_args(self.storage, saved, cls, {}, self.path))
+            cls = rs.resolve_class(self.trainer_pickles, saved, BaseTrainer, self.path)
+            return cls(**rs.load_init_args(self.trainer_pickles, saved, cls, {}, self.path))
+        except PickleRefusedError:
+            raise
         except RestoreArgumentError as e:
             raise RestoreArgumentError(
                 f"the {t.get('name')} trainable saved with the sweep at {self.path!r} cannot be rebuilt: "
@@ -453,6 +526,11 @@ class _Saved:
                 space[key] = self._blob(f"param_space/{key}", "param_space={...}")
         return space
 
+    def param_space_shape(self) -> dict[str, Any]:
+        """The saved param_space's shape: stored as JSON since schema 2, else computed."""
+        stored = self.manifest.params.get("param_space_shape")
+        return stored if isinstance(stored, dict) else _shape(self.param_space())
+
     def tune_config(self) -> TuneConfig:
         if "tune_config" in self.manifest.params:
             return self._decode("tune_config", "tune_config=TuneConfig(...)")
@@ -460,9 +538,9 @@ class _Saved:
 
     def run_config(self) -> RunConfig | None:
         if "run_config" in self.manifest.params:
-            return self._decode("run_config", "...")
+            return self._decode("run_config", "run_config=RunConfig(...)")
         if "run_config" in self.manifest.pickled_params:
-            return self._blob("run_config", "...")
+            return self._blob("run_config", "run_config=RunConfig(...)")
         return None
 
 
@@ -496,10 +574,11 @@ def _check_trainable_matches(manifest: sw.SweepManifest, trainable: Any, path: s
 
 
 def _check_same_shape(saved: dict[str, Any], given: dict[str, Any], path: str) -> None:
+    """`saved` is the saved param_space's shape (_shape), `given` the new param_space."""
     if not isinstance(given, dict):
         raise TypeError(f"param_space must be a dict, got {type(given).__name__}")
     ss.leaves(given)
-    lines = rs.identity_diff(ss.shape(saved), ss.shape(given))
+    lines = rs.identity_diff(saved, _shape(given))
     if lines:
         raise SweepMismatchError(
             f"Tuner.restore({path!r}, param_space=...) may re-specify values, but not change the keys or "
