@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 
 from unbroken import tune
-from unbroken.train import Checkpoint
+from unbroken.train import Callback, Checkpoint
 
 BLOCK_ENV = "TUNE_TEST_BLOCK_DIR"
 ACTIVE_ENV = "TUNE_TEST_ACTIVE_DIR"
@@ -105,3 +106,41 @@ class Payload:
 
     def __init__(self, n: int) -> None:
         self.n = n
+
+
+def returning(config: dict):
+    """Reports config["case"]["reports"] rows (score = it, a checkpoint each, resuming from the
+    latest), then returns config["case"]["ret"]: what Ray Tune reports as the final result."""
+    case = config["case"]
+    start = 0
+    ckpt = tune.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d, open(os.path.join(d, "it.txt")) as f:
+            start = int(f.read())
+    for it in range(start + 1, case.get("reports", 0) + 1):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "it.txt"), "w") as f:
+                f.write(str(it))
+            tune.report({"score": it}, checkpoint=Checkpoint.from_directory(d))
+    return case.get("ret")
+
+
+def yielding(config: dict):
+    """A generator trainable: yields three dicts, then a number, then returns a value (ignored)."""
+    for it in range(1, 4):
+        yield {"score": it * config.get("x", 1)}
+    yield 7
+    return {"score": 1000}
+
+
+class KillTrialDriverOnce(Callback):
+    """SIGKILLs the process it runs in -- a trial's driver, where callbacks run -- right after a
+    row holding `key` is recorded; only once: `marker` is created first."""
+
+    def __init__(self, key: str, marker: str) -> None:
+        self.key, self.marker = key, marker
+
+    def on_result(self, run, metrics: dict) -> None:
+        if self.key in metrics and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)

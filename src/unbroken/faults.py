@@ -8,7 +8,9 @@ real failure. Costs one environment lookup when unset.
 The points, in protocol order: after_file_write, after_fsync (worker, per rank);
 before_marker, after_marker, before_rename, after_rename (driver, commit);
 before_delete, during_delete (driver, retention); before_replace (any atomic file
-replace: run.json, result rows, lease); after_report (worker, right after it sent a report).
+replace: run.json, result rows, lease); after_report (worker, right after it sent a report);
+before_trial_record (sweep driver, when a trial's process has ended and before sweep.json
+records how the trial ended).
 """
 
 from __future__ import annotations

@@ -17,7 +17,11 @@ from unbroken.tune.sweep import ERROR, TERMINATED, SweepManifest, TrialRecord
 
 @dataclass(repr=False)
 class TrialResult(Result):
-    """A trial's `Result`, with the trial's config, name and status in the sweep."""
+    """A trial's `Result`, with the trial's config, name and status in the sweep.
+
+    `metrics` is the trial's last row, or `{}` (as in Ray Tune) for a trial that has none: one
+    that never started, or that failed before its first report.
+    """
 
     config: dict[str, Any] | None = None
     trial_name: str | None = None
@@ -30,7 +34,7 @@ class TrialResult(Result):
 
 
 def trial_result(storage: Storage, record: TrialRecord, config: dict[str, Any] | None) -> TrialResult:
-    """Read one trial's run directory (a trial that never started has no metrics)."""
+    """Read one trial's run directory (a trial that never started has empty metrics)."""
     path = storage.child(record.name)
     base: Result | None = None
     if mf.is_run_dir(path):
@@ -41,6 +45,8 @@ def trial_result(storage: Storage, record: TrialRecord, config: dict[str, Any] |
     if base is None:
         base = Result(metrics=None, checkpoint=None, error=None, path=path.url())
     values = {f.name: getattr(base, f.name) for f in fields(Result)}
+    if values["metrics"] is None:
+        values["metrics"] = {}  # Ray's value for a trial without results: r.metrics.get(...) works
     if record.status == ERROR and values["error"] is None:
         values["error"] = TrainingFailedError(f"trial {record.name} of sweep {storage.url()!r} failed: "
                                               f"{record.error}")

@@ -6,7 +6,10 @@ fork: it runs no torch ops and starts no threads. For each trial it starts a pro
 (`trial.trial_main`) and then waits, without polling, on the trial processes' sentinels and
 pipes and on the signal pipe; its wait has a timeout only to pace the lease heartbeat.
 When a trial process ends, the driver reads the trial's outcome (its message, its run's
-status, the scheduler's decision), tells the searcher, and saves the manifest.
+status, the scheduler's decision), tells the searcher, and saves the manifest. A driver
+killed in between leaves the manifest behind the trial's run; the next fit() reconciles
+the two (`reconciled`) before anything else, and crash tests stop a driver right there
+with the fault point `before_trial_record` (unbroken.faults).
 
 SIGTERM or SIGINT to the sweep driver is forwarded once to every running trial (trial
 processes have process groups of their own, so a Ctrl-C reaches them only this way); each
@@ -19,6 +22,7 @@ continues from what is on disk.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -28,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken import history
+from unbroken import faults, history
 from unbroken import manifest as mf
 from unbroken.engine.local import start_method
 from unbroken.errors import TrainingInterruptedError, UnbrokenError
@@ -55,6 +59,42 @@ class ResumeFlags:
     unfinished: bool = True
     errored: bool = False
     restart: bool = False
+
+
+def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRecord:
+    """An unfinished trial's record as its run directory has it: a driver that stopped (killed,
+    say, after the trial's run recorded its end but before the sweep manifest did) leaves the
+    manifest behind the run, and the run's own manifest is the authority on how far it got.
+    FINISHED -> TERMINATED, ERRORED -> ERROR, anything else (INTERRUPTED, or RUNNING with its
+    driver gone) -> INTERRUPTED, no run yet -> PENDING; a trial the scheduler stopped is
+    TERMINATED. A finished trial's record is returned as it is. Reads only: the caller decides
+    whether to record the result (only the driver holding the sweep's lease writes)."""
+    if record.status in sw.DONE:
+        return record
+    out = dataclasses.replace(record)
+    decision = asha.read_decision(storage, record.name) if scheduler is not None else None
+    trial = storage.child(record.name)
+    if decision is not None:
+        out.status, out.stopped_early = sw.TERMINATED, asha.describe_decision(decision)
+    elif not mf.is_run_dir(trial):
+        if out.status == sw.RUNNING:
+            out.status = sw.PENDING
+    else:
+        try:
+            run = mf.load(trial)
+        except (UnbrokenError, OSError) as e:
+            out.status, out.error = sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0]
+            return out
+        if run.status == mf.FINISHED:
+            out.status, out.error = sw.TERMINATED, None
+        elif run.status == mf.ERRORED:
+            out.status = sw.ERROR
+            out.error = next((a.error for a in reversed(run.attempts) if a.error), "the run is ERRORED")
+        else:
+            out.status = sw.INTERRUPTED
+    if out.status in sw.DONE:
+        out.ended_at = out.ended_at or time.time()
+    return out
 
 
 @dataclass
@@ -126,9 +166,7 @@ class SweepDriver:
         trials this fit() runs, and save."""
         m = self.manifest
         m.status = sw.SWEEP_RUNNING
-        for record in m.trials:
-            if record.status not in sw.DONE:
-                self._reconcile(record)
+        m.trials = [reconciled(self.storage, record, self.scheduler) for record in m.trials]
         self.ctx = SearchContext(storage=self.storage, name=m.name, space=self.space, seed=m.seed,
                                  metric=self.metric, mode=self.mode, num_samples=m.num_samples)
         new: list[str] = []
@@ -153,33 +191,6 @@ class SweepDriver:
                 self._rerun(record, restart=flags.restart)
                 self.queue.append(record.name)
         self.save()
-
-    def _reconcile(self, record: TrialRecord) -> None:
-        """An unfinished trial after a driver that stopped: what its run directory says."""
-        trial = self.storage.child(record.name)
-        decision = asha.read_decision(self.storage, record.name) if self.scheduler is not None else None
-        if decision is not None:
-            record.status, record.stopped_early = sw.TERMINATED, asha.describe_decision(decision)
-            record.ended_at = record.ended_at or time.time()
-            return
-        if not mf.is_run_dir(trial):
-            if record.status == sw.RUNNING:
-                record.status = sw.PENDING
-            return
-        try:
-            run = mf.load(trial)
-        except (UnbrokenError, OSError) as e:
-            record.status, record.error = sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0]
-            return
-        if run.status == mf.FINISHED:
-            record.status, record.error = sw.TERMINATED, None
-        elif run.status == mf.ERRORED:
-            error = next((a.error for a in reversed(run.attempts) if a.error), "the run is ERRORED")
-            record.status, record.error = sw.ERROR, error
-        else:
-            record.status = sw.INTERRUPTED
-        if record.status in sw.DONE:
-            record.ended_at = record.ended_at or time.time()
 
     def _rerun(self, record: TrialRecord, restart: bool) -> None:
         """An errored trial runs again: resumed from its checkpoints, or restarted from scratch
@@ -254,6 +265,8 @@ class SweepDriver:
         return _Running(record, proc, reader)
 
     def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
+        # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
+        faults.point("before_trial_record")
         record.status, record.error, record.ended_at = status, error, time.time()
         if status == sw.TERMINATED and self.scheduler is not None:
             decision = asha.read_decision(self.storage, record.name)

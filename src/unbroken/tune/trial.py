@@ -1,17 +1,20 @@
 """One trial: the trainer that runs it, and the process that drives it.
 
-A trial is an ordinary run. Its trainer is a `DataParallelTrainer` with one worker around a
-function trainable, or the user's Trainer rebuilt with the trial's config merged into its
-arguments; its run directory is `<sweep>/<trial name>/`. The sweep driver starts one
-process per running trial (forked when that is safe, like the local engine's workers); that
-process calls the trainer's `fit()` -- a normal single-run driver with its own worker
-processes, lease, retries and checkpoints -- and reports how it ended through a pipe.
+A trial is an ordinary run. Its trainer is a `FunctionTrainer` around a function trainable (a
+one-worker `DataParallelTrainer` that also reports what the function returns), or the user's
+Trainer rebuilt with the trial's config merged into its arguments; its run directory is
+`<sweep>/<trial name>/`. The sweep driver starts one process per running trial (forked when
+that is safe, like the local engine's workers); that process calls the trainer's `fit()` -- a
+normal single-run driver with its own worker processes, lease, retries and checkpoints -- and
+reports how it ended through a pipe.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import numbers
 import os
 import select
 import signal
@@ -29,6 +32,7 @@ from unbroken.config import FailureConfig, RunConfig, ScalingConfig
 from unbroken.errors import TrainingInterruptedError
 from unbroken.lease import live_holder
 from unbroken.storage import Storage
+from unbroken.train import report
 from unbroken.trainer import BaseTrainer, DataParallelTrainer
 
 log = logging.getLogger("unbroken")
@@ -37,6 +41,8 @@ log = logging.getLogger("unbroken")
 PREVIOUS_DRIVER_WAIT_S = 30.0
 # Constructor arguments a param_space may not set: the sweep decides where each trial lives.
 _RESERVED = ("run_config",)
+# The metric a function trainable's returned (or yielded) number is reported as (Ray Tune's name).
+DEFAULT_METRIC = "_metric"
 
 
 def check_trainable(trainable: Any) -> None:
@@ -45,9 +51,9 @@ def check_trainable(trainable: Any) -> None:
     if isinstance(trainable, type):
         raise TypeError(f"Tuner needs a function or a Trainer instance, got the class {trainable.__name__}. "
                         f"Hint: pass {trainable.__name__}(...) built with its arguments, or a function "
-                        "(config) -> None that calls tune.report")
+                        "(config) that calls tune.report or returns its metrics")
     if not callable(trainable):
-        raise TypeError(f"Tuner needs a function (config) -> None or a Trainer instance, got {trainable!r}")
+        raise TypeError(f"Tuner needs a function (config) or a Trainer instance, got {trainable!r}")
 
 
 def trainable_name(trainable: Any) -> str:
@@ -106,12 +112,53 @@ def trial_run_config(sweep: RunConfig, trial: str, sweep_url: str, stop: Any,
                      resume="auto")
 
 
+class FunctionTrainer(DataParallelTrainer):
+    """The trainer of a function trainable's trial: a `DataParallelTrainer` that also reports
+    what the function returns, as Ray Tune does. A dict is reported as one more row, after
+    the rows the function reported itself; a number `v` as the row `{"_metric": v}`; `None`
+    (or an empty dict) adds nothing; anything else fails the trial with a ValueError. A
+    generator function has each value it yields reported the same way.
+
+    The row goes through `train.report` like any other, so it is recorded exactly once in the
+    trial's timeline: if the trial is killed after recording it, the resumed attempt runs the
+    function again from the latest checkpoint and reports it again, replacing it.
+    """
+
+    def training_loop(self) -> None:
+        fn = self.train_loop_per_worker
+        args = [] if len(inspect.signature(fn).parameters) == 0 else [
+            self.train_loop_config if self.train_loop_config is not None else {}]
+        if inspect.isgeneratorfunction(fn):
+            for value in fn(*args):
+                report_returned(value)
+        else:
+            report_returned(fn(*args))
+
+
+def report_returned(value: Any) -> None:
+    """Report what a function trainable returned or yielded (see FunctionTrainer)."""
+    if value is None:
+        return
+    if isinstance(value, dict):
+        if value:
+            report(value)
+        return
+    if isinstance(value, numbers.Number):
+        # Unlike Ray, which drops every falsy value, a 0 is reported: it is a result.
+        report({DEFAULT_METRIC: value})
+        return
+    raise ValueError(f"a function trainable returned (or yielded) {type(value).__name__} {value!r:.80}; "
+                     "it may return None, a dict of metrics (reported as its final row) or a number "
+                     f"(reported as {{{DEFAULT_METRIC!r}: number}}). Hint: return {{'score': ...}}, or "
+                     "call tune.report(...) and return nothing")
+
+
 def build_trainer(trainable: Any, config: dict[str, Any], run_config: RunConfig) -> BaseTrainer:
     """The trainer that runs one trial with `config`."""
     if not isinstance(trainable, BaseTrainer):
         one_cpu = ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1})
-        return DataParallelTrainer(trainable, train_loop_config=config, scaling_config=one_cpu,
-                                   run_config=run_config)
+        return FunctionTrainer(trainable, train_loop_config=config, scaling_config=one_cpu,
+                               run_config=run_config)
     args = dict(trainable._init_args)
     for key, value in config.items():
         args[key] = _merge(args.get(key), value)

@@ -48,7 +48,7 @@ from unbroken.tune.result_grid import ResultGrid
 from unbroken.tune.schedulers import FIFOScheduler
 from unbroken.tune.search.basic_variant import BasicVariantGenerator
 from unbroken.tune.search.searcher import Searcher
-from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver
+from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver, reconciled
 from unbroken.tune.trial import check_param_space_keys, check_trainable, cpus_per_trial, trainable_name
 from unbroken.tune.tune_config import TuneConfig
 
@@ -60,8 +60,9 @@ _FRESH_META = ("lease.json", "pickled", "tuner.pkl", "trainer.pkl")
 class Tuner:
     """A hyperparameter sweep whose trials are restorable runs.
 
-    `trainable`: a function `(config) -> None` that calls `tune.report` (it runs as a
-    one-worker `DataParallelTrainer`, so `tune.get_checkpoint` resumes it), or a Trainer
+    `trainable`: a function `(config)` that calls `tune.report` and may return a final dict of
+    metrics or a number (it runs as a one-worker `DataParallelTrainer`, so
+    `tune.get_checkpoint` resumes it; see `trial.FunctionTrainer`), or a Trainer
     instance, whose constructor arguments each trial overrides with the param_space
     (`param_space["train_loop_config"]` is merged into its `train_loop_config`).
     """
@@ -153,7 +154,7 @@ class Tuner:
                         f"a sweep already exists at {path!r} and RunConfig(resume='never') refuses to "
                         "continue it. Hint: choose a new name, or use resume='auto' to continue it")
                 _check_identity(manifest, identity, path)
-            if self._nothing_to_do(manifest, total):
+            if self._nothing_to_do(storage, manifest, total):
                 log.info("sweep %s has nothing left to run; returning its stored results", path)
                 return None
         else:
@@ -197,11 +198,17 @@ class Tuner:
             lease.release()
             raise
 
-    def _nothing_to_do(self, manifest: sw.SweepManifest, total: int) -> bool:
+    def _nothing_to_do(self, storage: Storage, manifest: sw.SweepManifest, total: int) -> bool:
+        """True if fit() has no trial to run and nothing to record, whatever the flags. Decided
+        on the trials as their run directories have them: a driver killed after a trial's run
+        ended (ERRORED, say) but before the sweep manifest said so left it RUNNING there, and a
+        status that reconciling changes must be recorded, by a driver holding the lease."""
         if len(manifest.trials) < total:
             return False
         flags = self._flags
         for t in manifest.trials:
+            if reconciled(storage, t, self._scheduler).status != t.status:
+                return False
             if t.status in sw.UNFINISHED and flags.unfinished:
                 return False
             if t.status == sw.ERROR and (flags.errored or flags.restart):
