@@ -94,7 +94,7 @@ def test_run_layout_on_s3_and_a_marker_less_upload_is_never_used(s3_endpoint, tm
     run = json.loads(read(s3_endpoint, url, ".unbroken/run.json"))
     assert run["attempts"][1]["resumed_from"] == "checkpoint_000004", "the unmarked upload was not used"
     stored = keys(s3_endpoint, url)
-    for expected in (".unbroken/run.json", ".unbroken/run.prev.json", ".unbroken/trainer.pkl", "params.json",
+    for expected in (".unbroken/run.json", ".unbroken/run.prev.json", "params.json",
                      "result.json", "progress.csv", "checkpoint_000010/.checkpoint.json",
                      "checkpoint_000010/state.pt"):
         assert expected in stored, stored

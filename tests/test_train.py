@@ -122,13 +122,13 @@ def test_storage_layout_and_commit_protocol(storage):
     entries = sorted(os.listdir(run))
     assert entries == [".unbroken", "checkpoint_000001", "checkpoint_000002", "checkpoint_000003",
                        "params.json", "progress.csv", "result.json"]
-    assert sorted(os.listdir(os.path.join(run, ".unbroken"))) == ["run.json", "run.prev.json",
-                                                                  "trainer.pkl"]
+    # Every argument is plain data or importable by name: nothing is pickled.
+    assert sorted(os.listdir(os.path.join(run, ".unbroken"))) == ["run.json", "run.prev.json"]
     manifest = json.load(open(os.path.join(run, ".unbroken", "run.json")))
     previous = json.load(open(os.path.join(run, ".unbroken", "run.prev.json")))
     assert manifest["generation"] == previous["generation"] + 1
     assert manifest["status"] == "FINISHED" and manifest["latest_checkpoint"] == "checkpoint_000003"
-    assert manifest["schema_version"] == 1 and manifest["trainer_class"].endswith("DataParallelTrainer")
+    assert manifest["schema_version"] == 2 and manifest["trainer_class"].endswith("DataParallelTrainer")
     assert manifest["params"]["train_loop_per_worker"] == {"__ref__": "loops:simple_loop"}
     # Each rank wrote its own file; they merged into one checkpoint with a marker listing both.
     ckpt = os.path.join(run, "checkpoint_000002")

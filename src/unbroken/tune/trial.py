@@ -244,9 +244,10 @@ def run_trial(payload: TrialPayload) -> str:
         _wait_for_previous_driver(storage)
         if mf.load(storage).status == mf.FINISHED:
             return mf.FINISHED
-        # Every argument is re-specified, so nothing stored is unpickled, and a param_space
-        # constant re-specified on Tuner.restore amends the run (logged) instead of being refused.
-        trainer = type(trainer).restore(payload.path, **trainer._init_args)
+        # Every argument is re-specified, so nothing stored is unpickled (allow_pickle=False
+        # makes sure of it, whatever the trial's run.json says), and a param_space constant
+        # re-specified on Tuner.restore amends the run (logged) instead of being refused.
+        trainer = type(trainer).restore(payload.path, allow_pickle=False, **trainer._init_args)
     trainer._trial_info = payload.info
     return trainer.fit().status or mf.FINISHED
 
