@@ -270,3 +270,10 @@ def test_use_gpu_where_no_gpu_is_visible(run, tmp_path):
     with pytest.raises(InsufficientResourcesError):
         DataParallelTrainer.restore(run, scaling_config=ScalingConfig(use_gpu=True)).fit()
     assert snapshot(run) == before
+    from unbroken.tune import Tuner, grid_search
+
+    gpu_trainer = DataParallelTrainer(simple_loop, scaling_config=ScalingConfig(use_gpu=True))
+    with pytest.raises(InsufficientResourcesError):
+        Tuner(gpu_trainer, param_space={"train_loop_config": {"iterations": grid_search([1, 2])}},
+              run_config=RunConfig(name="gpu-sweep", storage_path=storage)).fit()
+    assert not os.path.exists(storage), "a sweep is refused before anything is written too"

@@ -30,6 +30,7 @@ from unbroken import __version__
 from unbroken import manifest as mf
 from unbroken import restore as rs
 from unbroken.config import RunConfig
+from unbroken.engine import check_can_run
 from unbroken.errors import (
     PickleRefusedError,
     RestoreArgumentError,
@@ -141,6 +142,8 @@ class Tuner:
         storage = self._storage()
         path = storage.url()
         saved = _encode(self)  # fails now if an argument cannot be saved
+        if isinstance(self.trainable, BaseTrainer):
+            check_can_run(self.trainable.scaling_config)  # e.g. use_gpu=True where no GPU is visible
         total = self._searcher.total(self.param_space, tc.num_samples)
         self._searcher.check(storage, self.metric, self.mode)
         identity = self._identity()
