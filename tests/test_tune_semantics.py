@@ -190,3 +190,21 @@ def test_restore_reconciles_an_errored_trial_the_killed_driver_did_not_record(st
     unfinished = flags.get("resume_unfinished", True)
     assert second.trial_status == ("TERMINATED" if unfinished else "PENDING")
     assert sweep_json(path)["status"] == ("FINISHED" if unfinished else "INCOMPLETE")
+
+
+# -- leftovers -------------------------------------------------------------------------------------
+
+def test_restore_removes_a_killed_sweep_drivers_temps_before_writing(storage):
+    """A sweep driver killed mid-write leaves an atomic-write temp; the next driver of the sweep
+    removes it right after taking the lease (the temp of a live writer has that writer's pid)."""
+    space = {"x": tune.grid_search([1, 2]), "y": 0, "iterations": 2, "fail_x": 2}
+    path = os.path.join(storage, "temps")
+    grid = Tuner(tune_loop, param_space=space, run_config=RunConfig(name="temps", storage_path=storage)).fit()
+    assert len(grid.errors) == 1
+    planted = [os.path.join(path, ".unbroken", "sweep.json.tmp-999999"), os.path.join(path, "x.tmp-999998")]
+    for temp in planted:
+        with open(temp, "w") as f:
+            f.write("half-written")
+    Tuner.restore(path, tune_loop, resume_errored=True).fit()
+    assert not any(os.path.exists(t) for t in planted)
+    assert statuses(path) == {"trial_00000": "TERMINATED", "trial_00001": "TERMINATED"}

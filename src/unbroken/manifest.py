@@ -87,6 +87,13 @@ class RunManifest:
         return len(self.attempts)
 
 
+def remove_stale_temps(storage: Storage) -> None:
+    """Remove the atomic-write temps a killed driver left in a run or sweep directory and its
+    metadata directory. Call right after taking the lease, before writing anything."""
+    for where in ("", META_DIR):
+        storage.remove_stale_temps(where)
+
+
 def is_run_dir(storage: Storage) -> bool:
     return storage.exists(RUN_JSON) or storage.exists(RUN_PREV_JSON)
 

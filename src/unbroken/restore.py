@@ -40,7 +40,14 @@ from unbroken.errors import (
     UnsavableArgumentError,
 )
 from unbroken.lease import Lease, live_holder
-from unbroken.manifest import FINISHED, META_DIR, PICKLED_FILES_SINCE, SCHEMA_VERSION, RunManifest
+from unbroken.manifest import (
+    FINISHED,
+    META_DIR,
+    PICKLED_FILES_SINCE,
+    SCHEMA_VERSION,
+    RunManifest,
+    remove_stale_temps,
+)
 from unbroken.manifest import is_run_dir as manifest_exists
 from unbroken.manifest import load as load_manifest
 from unbroken.session import is_dataset_builder
@@ -572,8 +579,7 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
     lease = Lease(storage)
     lease.acquire()
     try:
-        for where in ("", META_DIR):  # before writing: the temps a killed driver left
-            storage.remove_stale_temps(where)
+        remove_stale_temps(storage)
         previous = None
         if manifest is not None:
             manifest = load_manifest(storage)  # re-read under the lease

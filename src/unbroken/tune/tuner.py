@@ -175,6 +175,7 @@ class Tuner:
         lease = Lease(storage)
         lease.acquire()
         try:
+            mf.remove_stale_temps(storage)
             previous = None
             if manifest is not None:
                 manifest = sw.load(storage)  # again, under the lease
