@@ -208,3 +208,21 @@ def test_restore_removes_a_killed_sweep_drivers_temps_before_writing(storage):
     Tuner.restore(path, tune_loop, resume_errored=True).fit()
     assert not any(os.path.exists(t) for t in planted)
     assert statuses(path) == {"trial_00000": "TERMINATED", "trial_00001": "TERMINATED"}
+
+
+def test_restore_records_the_end_a_killed_sweep_driver_did_not(storage):
+    """A sweep driver killed after its last trial was recorded, before the sweep's own status
+    was, leaves sweep.json saying RUNNING: a restore with nothing to run records FINISHED."""
+    space = {"x": tune.grid_search([1, 2]), "y": 0, "iterations": 2}
+    path = os.path.join(storage, "late")
+    Tuner(tune_loop, param_space=space, run_config=RunConfig(name="late", storage_path=storage)).fit()
+    manifest = sweep_json(path)
+    assert manifest["status"] == "FINISHED"
+    manifest["status"] = "RUNNING"  # the state the killed driver left on storage
+    with open(os.path.join(path, ".unbroken", "sweep.json"), "w") as f:
+        json.dump(manifest, f)
+    rows_before = {t: raw_rows(os.path.join(path, t)) for t in statuses(path)}
+    grid = Tuner.restore(path, tune_loop, resume_unfinished=False).fit()
+    assert sweep_json(path)["status"] == "FINISHED"
+    assert [r.trial_status for r in grid] == ["TERMINATED", "TERMINATED"]
+    assert {t: raw_rows(os.path.join(path, t)) for t in statuses(path)} == rows_before, "nothing re-ran"

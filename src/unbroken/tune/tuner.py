@@ -207,8 +207,8 @@ class Tuner:
         on the trials as their run directories have them: a driver killed after a trial's run
         ended (ERRORED, say) but before the sweep manifest said so left it RUNNING there, and a
         status that reconciling changes must be recorded, by a driver holding the lease."""
-        if len(manifest.trials) < total:
-            return False
+        if len(manifest.trials) < total or manifest.status == sw.SWEEP_RUNNING:
+            return False  # (RUNNING: its driver died before it recorded how the sweep ended)
         flags = self._flags
         for t in manifest.trials:
             if reconciled(storage, t, self._scheduler).status != t.status:
