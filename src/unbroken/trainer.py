@@ -17,6 +17,7 @@ from unbroken.checkpoint import Checkpoint
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.controller import Controller
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
+from unbroken.pickled import SavedPickles
 from unbroken.result import Result
 from unbroken.storage import Storage
 
@@ -92,7 +93,7 @@ class BaseTrainer:
         storage = Storage.from_url(path, getattr(run_config, "storage_filesystem", None))
         manifest = mf.load(storage)
         url = storage.url()
-        pickles = rs.SavedPickles.of_run(storage, manifest, allow=allow_pickle)
+        pickles = SavedPickles.of_run(storage, manifest, allow=allow_pickle)
         if not allow_pickle:
             rs.check_trainer_pickles(pickles, manifest, cls, overrides, url)
         target = rs.resolve_class(pickles, manifest, cls, url)

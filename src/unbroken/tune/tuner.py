@@ -40,6 +40,7 @@ from unbroken.errors import (
     TrainerClassMismatchError,
 )
 from unbroken.lease import Lease
+from unbroken.pickled import SavedPickles, pickled_files, refuse_pickles, write_pickles
 from unbroken.storage import Storage
 from unbroken.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
@@ -406,11 +407,11 @@ def _encode(tuner: Tuner) -> _Encoded:
 def _write(storage: Storage, manifest: sw.SweepManifest, saved: _Encoded) -> None:
     """Write the pickled Tuner arguments and a Trainer trainable's pickled arguments, one file
     each, and fill the manifest (saved by the caller); `manifest` is still the one on storage."""
-    current = rs.pickled_files(manifest.schema_version)
+    current = pickled_files(manifest.schema_version)
     keep = manifest.pickled_params if current else ()
-    rs.write_pickles(storage, sw.TUNER_PICKLED, saved.pickles, keep)
+    write_pickles(storage, sw.TUNER_PICKLED, saved.pickles, keep)
     keep = manifest.trainable.get("pickled_params", []) if current else ()
-    rs.write_pickles(storage, sw.TRAINABLE_PICKLED, saved.trainer_pickles or {}, keep)
+    write_pickles(storage, sw.TRAINABLE_PICKLED, saved.trainer_pickles or {}, keep)
     if current:  # left by a schema 1 sweep that has been rewritten since
         for legacy in (sw.LEGACY_TUNER_PKL, sw.LEGACY_TRAINER_PKL):
             if storage.exists(legacy):
@@ -441,10 +442,10 @@ class _Saved:
 
     def __init__(self, storage: Storage, manifest: sw.SweepManifest, path: str, allow: bool = True) -> None:
         self.storage, self.manifest, self.path = storage, manifest, path
-        legacy = not rs.pickled_files(manifest.schema_version)
-        self.pickles = rs.SavedPickles(storage, sw.TUNER_PICKLED, sw.LEGACY_TUNER_PKL if legacy else None,
+        legacy = not pickled_files(manifest.schema_version)
+        self.pickles = SavedPickles(storage, sw.TUNER_PICKLED, sw.LEGACY_TUNER_PKL if legacy else None,
                                        allow)
-        self.trainer_pickles = rs.SavedPickles(storage, sw.TRAINABLE_PICKLED,
+        self.trainer_pickles = SavedPickles(storage, sw.TRAINABLE_PICKLED,
                                                sw.LEGACY_TRAINER_PKL if legacy else None, allow)
 
     def _blob(self, name: str, hint: str) -> Any:
@@ -490,7 +491,7 @@ class _Saved:
             what.append("the run_config")
             respecify.append("run_config")
         call = f"Tuner.restore({self.path!r}{', trainable' if trainable_given else ''}, allow_pickle=False)"
-        rs.refuse_pickles(what, self.path, call, respecify, "; ".join(notes), kind="sweep")
+        refuse_pickles(what, self.path, call, respecify, "; ".join(notes), kind="sweep")
 
     def _trainer_manifest(self) -> mf.RunManifest:
         t = self.manifest.trainable
