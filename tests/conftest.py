@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,25 @@ def run_script(code: str, *args: str, check: bool = True, **env) -> subprocess.C
     if check and proc.returncode != 0:
         raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+# -- reading run and sweep manifests in tests ----------------------------------------------------
+def sweep_json(path: str) -> dict:
+    return json.load(open(os.path.join(path, ".unbroken", "sweep.json")))
+
+
+def run_json(path: str) -> dict:
+    return json.load(open(os.path.join(path, ".unbroken", "run.json")))
+
+
+def statuses(sweep_path: str) -> dict[str, str]:
+    """Each trial's status as the sweep manifest has it."""
+    return {t["name"]: t["status"] for t in sweep_json(sweep_path)["trials"]}
+
+
+def attempts(run_path: str) -> list[str]:
+    """The status of each attempt of a run."""
+    return [a["status"] for a in run_json(run_path)["attempts"]]
 
 
 def start_script(code: str, *args: str, start_new_session: bool = False, **env) -> subprocess.Popen:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import run_script, start_script
+from conftest import attempts, run_json, run_script, start_script, statuses, sweep_json
 from tune_loops import ACTIVE_ENV, BLOCK_ENV, asha_loop, max_running, must_not_run, tune_loop, write_config
 from unbroken import tune
 from unbroken.errors import (
@@ -30,22 +30,6 @@ from unbroken.tune import TuneConfig, Tuner
 from unbroken.tune import search_space as ss
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def sweep_json(path):
-    return json.load(open(os.path.join(path, ".unbroken", "sweep.json")))
-
-
-def run_json(path):
-    return json.load(open(os.path.join(path, ".unbroken", "run.json")))
-
-
-def statuses(path):
-    return {t["name"]: t["status"] for t in sweep_json(path)["trials"]}
-
-
-def attempts(trial_path):
-    return [a["status"] for a in run_json(trial_path)["attempts"]]
 
 
 def timeline(result, *columns):

@@ -9,27 +9,11 @@ import signal
 
 import pytest
 
-from conftest import run_script
+from conftest import attempts, run_json, run_script, statuses, sweep_json
 from tune_loops import KillTrialDriverOnce, returning, tune_loop, yielding
 from unbroken import tune
 from unbroken.train import RunConfig
 from unbroken.tune import TuneConfig, Tuner
-
-
-def sweep_json(path):
-    return json.load(open(os.path.join(path, ".unbroken", "sweep.json")))
-
-
-def run_json(path):
-    return json.load(open(os.path.join(path, ".unbroken", "run.json")))
-
-
-def statuses(path):
-    return {t["name"]: t["status"] for t in sweep_json(path)["trials"]}
-
-
-def attempts(trial_path):
-    return [a["status"] for a in run_json(trial_path)["attempts"]]
 
 
 def raw_rows(trial_path):
