@@ -136,11 +136,15 @@ class DataParallelTrainer(BaseTrainer):
         self.backend_config = backend_config
 
     def training_loop(self) -> None:
+        self._call_train_loop()
+
+    def _call_train_loop(self) -> Any:
+        """Call `train_loop_per_worker` (with the config, unless it takes no argument); returns
+        what it returns."""
         fn = self.train_loop_per_worker
         if len(inspect.signature(fn).parameters) == 0:
-            fn()
-        else:
-            fn(self.train_loop_config if self.train_loop_config is not None else {})
+            return fn()
+        return fn(self.train_loop_config if self.train_loop_config is not None else {})
 
     def _backend(self) -> Backend:
         return self.backend_config.make_backend() if self.backend_config is not None else Backend()

@@ -125,14 +125,12 @@ class FunctionTrainer(DataParallelTrainer):
     """
 
     def training_loop(self) -> None:
-        fn = self.train_loop_per_worker
-        args = [] if len(inspect.signature(fn).parameters) == 0 else [
-            self.train_loop_config if self.train_loop_config is not None else {}]
-        if inspect.isgeneratorfunction(fn):
-            for value in fn(*args):
+        returned = self._call_train_loop()
+        if inspect.isgenerator(returned):
+            for value in returned:
                 report_returned(value)
         else:
-            report_returned(fn(*args))
+            report_returned(returned)
 
 
 def report_returned(value: Any) -> None:
