@@ -73,3 +73,37 @@ def test_a_full_disk_fails_clearly_and_the_run_resumes_once_a_checkpoint_fits(sm
     assert result.checkpoint.path.endswith("checkpoint_000008")
     assert not os.path.exists(staging)
     assert sorted(e for e in os.listdir(path) if e.startswith("checkpoint_")) == ["checkpoint_000008"]
+
+
+def resize(mount: str, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", mount], check=True, capture_output=True)
+
+
+def test_a_disk_that_fills_up_at_any_moment_fails_cleanly_and_the_run_resumes(small_disk):
+    """Whatever is being written when the space runs out (rows, manifest, lease, checkpoint
+    files), fit() fails with StorageFullError, and a restore once there is room finishes the
+    run with each iteration once."""
+    config = {"iterations": 4, "ckpt_bytes": 6 * KIB}
+    outcomes = set()
+    for pages in range(0, 41):
+        storage = os.path.join(small_disk, f"p{pages}")
+        os.makedirs(storage)
+        st = os.statvfs(small_disk)
+        resize(small_disk, max((st.f_blocks - st.f_bfree) * st.f_frsize + pages * 4096, 4096))
+        try:
+            DataParallelTrainer(big_checkpoint_loop, train_loop_config=config,
+                                scaling_config=ScalingConfig(num_workers=2),
+                                run_config=RunConfig(name="run", storage_path=storage)).fit()
+            outcomes.add("finished")
+        except (StorageFullError, TrainingFailedError) as e:
+            cause = e if isinstance(e, StorageFullError) else e.__cause__
+            assert isinstance(cause, StorageFullError), f"{pages} pages free: {cause!r}"
+            outcomes.add("full")
+        finally:
+            resize(small_disk, 64 << 20)
+        path = os.path.join(storage, "run")
+        if DataParallelTrainer.can_restore(path):
+            result = DataParallelTrainer.restore(path).fit()
+            assert list(result.metrics_dataframe["training_iteration"]) == [1, 2, 3, 4], pages
+            assert not [e for e in os.listdir(path) if ".tmp-" in e or ".del-" in e]
+    assert "full" in outcomes, "the disk never filled up: the test proves nothing"

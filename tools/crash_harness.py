@@ -409,7 +409,8 @@ class SmallDisk:
 
     def leave_free(self, free: int) -> None:
         st = os.statvfs(self.path)
-        self._resize((st.f_blocks - st.f_bfree) * st.f_frsize + free)
+        # At least a page: a tmpfs of size 0 has no limit (and cannot get one back).
+        self._resize(max((st.f_blocks - st.f_bfree) * st.f_frsize + free, st.f_frsize))
 
     def grow(self) -> None:
         self._resize(self.ROOMY)

@@ -8,6 +8,7 @@ iteration exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -16,7 +17,7 @@ import math
 import os
 from typing import Any
 
-from unbroken.errors import MetricsNotSerializableError
+from unbroken.errors import MetricsNotSerializableError, StorageError
 from unbroken.storage import Storage, is_full
 
 log = logging.getLogger("unbroken")
@@ -58,30 +59,42 @@ class History:
         """Load existing rows, then open result.json for appending."""
         self._rows = read_rows(self.storage)
         if self.storage.is_local:
-            self._file = open(self.storage.path(RESULT_JSON), "a+b")
+            # Unbuffered: a row that fails to go out (a full disk) is not left in a buffer
+            # for a later flush to write after the next row.
+            self._file = open(self.storage.path(RESULT_JSON), "a+b", buffering=0)
             _drop_torn_tail(self._file)
-            self._file = io.TextIOWrapper(self._file, encoding="utf-8", write_through=True)
         else:
             self._file = io.StringIO()
 
     def append(self, row: dict) -> None:
         assert self._rows is not None, "History.open() first"
         line = json.dumps(row, default=repr) + "\n"
-        try:
+        if self.storage.is_local:
+            self._write_local(line.encode())
+        else:
             self._file.write(line)
-            if self.storage.is_local:
-                self._file.flush()
-        except OSError as e:
-            if is_full(e):
-                raise self.storage.full_error(f"writing {RESULT_JSON}", len(line)) from None
-            raise
         self._rows.append(row)
+
+    def _write_local(self, data: bytes) -> None:
+        start = self._file.seek(0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self._file.truncate(start)  # no half row: the next append starts a line
+            if is_full(e):
+                raise self.storage.full_error(f"writing {RESULT_JSON}", len(data)) from None
+            raise StorageError(f"cannot append to {self.storage.url(RESULT_JSON)!r}: {e}") from None
 
     def sync(self) -> None:
         """Make every appended row durable (before a checkpoint commits, and at attempt end)."""
         if self.storage.is_local:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as e:
+                raise StorageError(f"cannot write {self.storage.url(RESULT_JSON)!r}: {e}") from None
         else:
             self.storage.write_atomic(RESULT_JSON, "".join(
                 json.dumps(r, default=repr) + "\n" for r in self._rows or []).encode())

@@ -85,11 +85,15 @@ class Run:
         self.callbacks.attempt_ended(status, error)
 
     def finish(self, status: str) -> None:
-        """Mark the whole run FINISHED, ERRORED or INTERRUPTED and release the lease."""
+        """Mark the whole run FINISHED, ERRORED or INTERRUPTED and release the lease.
+
+        The rows and progress.csv are written first: once run.json says the run ended, no
+        later fit() writes to it (a finished run is returned as it is), so nothing may be
+        left half-written after that."""
+        self.history.close()
         self.manifest.status = status
         self._sync_checkpoint_fields()
         self.save_manifest()
-        self.history.close()
         self.callbacks.run_ended(status)
         self.lease.release()
 
