@@ -296,7 +296,7 @@ class Storage:
         return StorageFullError(
             f"storage {self.url()!r} is full: no space left {what}" + (f" ({sizes})" if sizes else "")
             + ". Hint: keep fewer checkpoints with CheckpointConfig(num_to_keep=N) (a restore with "
-            "run_config=RunConfig(checkpoint_config=...) applies it before anything is written), or "
+            "run_config=RunConfig(checkpoint_config=...) prunes before its first checkpoint), or "
             "make room; then restore the run: it resumes from its latest committed checkpoint")
 
     def write_conditional(self, rel: str, data: bytes, expect: str | None) -> str | None:
