@@ -24,18 +24,20 @@ from unbroken.checkpoint import Checkpoint
 from unbroken.commit import Marker, checkpoint_name
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.engine import make_worker_group
-from unbroken.engine.local import WorkerDied
+from unbroken.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.engine.worker import WorkerPayload
 from unbroken.errors import (
     LeaseLostError,
     StorageError,
     TrainingFailedError,
     TrainingInterruptedError,
+    WorkerDied,
     WorkerError,
 )
 from unbroken.failure_policy import FailureDecision, FailurePolicy
 from unbroken.preemption import Interrupts
-from unbroken.rounds import Rounds
+from unbroken.protocol import Done, Failed, Rendezvous, Reply, Report
+from unbroken.report_rounds import ReportRounds
 from unbroken.run import Run
 from unbroken.session import WorkerInfo
 
@@ -66,8 +68,10 @@ class _StopNow(BaseException):
 class Controller:
     """Runs `trainer.training_loop()` on a worker group until the run finishes or gives up."""
 
-    def __init__(self, trainer: Any, run: Run, restore_hint: str) -> None:
+    def __init__(self, trainer: Any, run: Run, restore_hint: str,
+                 group_factory: WorkerGroupFactory = make_worker_group) -> None:
         self.trainer = trainer
+        self.group_factory = group_factory  # scaling -> a new WorkerGroup for each attempt
         self.run = run
         self.scaling: ScalingConfig = trainer.scaling_config
         self.run_config: RunConfig = trainer.run_config
@@ -104,8 +108,7 @@ class Controller:
             log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
         group = None
         try:
-            group = make_worker_group(self.scaling)
-            group.watch(self.interrupts)
+            group = self.group_factory(self.scaling)
             group.start(functools.partial(self._payload, resume))
             self.state = ControllerState.RUNNING
             self._drive(group)
@@ -161,7 +164,7 @@ class Controller:
             f"run {self.run.path!r} was interrupted by {self.interrupts.signal_name}; {where}.\n"
             f"Continue it with {self.restore_hint}") from None
 
-    def _payload(self, resume: Marker | None, rank: int, local_rank: int, node_rank: int) -> WorkerPayload:
+    def _payload(self, resume: Marker | None, placement: Placement) -> WorkerPayload:
         run, scaling = self.run, self.scaling
         checkpoint = None
         if resume is not None:
@@ -170,8 +173,8 @@ class Controller:
         elif self.trainer.resume_from_checkpoint is not None:
             checkpoint = self.trainer.resume_from_checkpoint
         info = WorkerInfo(
-            world_rank=rank, world_size=scaling.num_workers, local_rank=local_rank,
-            local_world_size=scaling.num_workers, node_rank=node_rank,
+            world_rank=placement.rank, world_size=scaling.num_workers, local_rank=placement.local_rank,
+            local_world_size=placement.local_world_size, node_rank=placement.node_rank,
             experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
             attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
             checkpoint=checkpoint, storage_path=run.storage.url().rsplit("/", 1)[0],
@@ -179,20 +182,19 @@ class Controller:
             **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
         return WorkerPayload(info=info, trainer=self._worker_trainer)
 
-    def _drive(self, group: Any) -> None:
+    def _drive(self, group: WorkerGroup) -> None:
         """Process worker messages until every worker is done; raise on any failure.
 
         A failure is raised only once no incomplete round can complete any more (see
-        `rounds`), so a round that every rank reported is recorded and committed first.
+        `report_rounds`), so a round that every rank reported is recorded and committed first.
         Leaves the state STOPPING when the workers stopped for a preemption, and
         INTERRUPTED (with the workers still running) on a second signal.
         """
-        rounds = Rounds(self.scaling.num_workers)
+        rounds = ReportRounds(self.scaling.num_workers, last_heard=time.monotonic())
         failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
         failed_at = 0.0
         signals = 0
         hang_s = self.run_config.failure_config.hang_timeout_s
-        last_progress = time.monotonic()
         while not rounds.all_done:
             self.run.lease.beat()
             if self.interrupts.count > signals:
@@ -212,59 +214,54 @@ class Controller:
                     raise _root_cause(group, failures)
                 timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
             if hang_s is not None:
-                timeout = max(0.0, min(timeout, last_progress + hang_s - now))
-            messages = group.poll(timeout)
+                timeout = max(0.0, min(timeout, rounds.hang_left(now, hang_s)))
+            events = group.poll(timeout, wake=self.interrupts)
             now = time.monotonic()
-            if messages:
-                last_progress = now
-            elif hang_s is not None and now - last_progress >= hang_s and not failures:
+            if events:
+                rounds.heard(now)
+            elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
                 raise rounds.hang_error(hang_s)
-            for rank, message in messages:
-                if isinstance(message, WorkerDied):
-                    rounds.fail(rank)
-                    failures.append((rank, message))
-                    continue
-                kind = message[0]
-                if kind == "report":
-                    _, iteration, metrics, files = message
-                    complete = rounds.add_report(rank, iteration, metrics, files)
+            for rank, message in events:
+                if isinstance(message, Report):
+                    complete = rounds.add_report(rank, message)
                     if complete is not None:
-                        self._complete_round(group, iteration, complete)
-                elif kind == "rendezvous":
+                        self._complete_round(group, message.iteration, complete)
+                elif isinstance(message, Rendezvous):
                     for other in range(1, rounds.num_workers):
                         group.send(other, message)
-                elif kind == "done":
-                    rounds.finish(rank, message[1])
+                elif isinstance(message, Done):
+                    rounds.finish(rank, message.reports)
                     group.mark_finished(rank)
-                elif kind == "error":
-                    _, text, blob = message
+                elif isinstance(message, (Failed, WorkerDied)):
                     rounds.fail(rank)
-                    failures.append((rank, _worker_exception(rank, text, blob)))
+                    failures.append((rank, message if isinstance(message, WorkerDied) else
+                                     _worker_exception(rank, message.traceback, message.error)))
+                else:
+                    raise TypeError(f"rank {rank} sent an unknown message {message!r}")
             if failures:
                 failed_at = failed_at or now
             else:
                 rounds.check_counts()
 
-    def _complete_round(self, group: Any, iteration: int, by_rank: dict[int, tuple]) -> None:
-        metrics = by_rank[0][0]
-        files = [by_rank[r][1] for r in sorted(by_rank) if by_rank[r][1] is not None]
-        row = self.run.record(iteration, metrics, checkpoint_name(iteration) if files else None)
+    def _complete_round(self, group: WorkerGroup, iteration: int, by_rank: dict[int, Report]) -> None:
+        files = [by_rank[r].files for r in sorted(by_rank) if by_rank[r].files is not None]
+        row = self.run.record(iteration, by_rank[0].metrics, checkpoint_name(iteration) if files else None)
         if files:
             self.run.commit_checkpoint(iteration, files, row)
-        flags = {"stop": _stop_met(self.run_config.stop, row), "checkpoint": False}
+        stop, checkpoint = _stop_met(self.run_config.stop, row), False
         if self.state is ControllerState.STOPPING:
             if self._asked_at is None:
                 self._asked_at = iteration
-                flags["checkpoint"] = True
+                checkpoint = True
             else:
-                flags["stop"] = self._preempted = True
+                stop = self._preempted = True
                 if not files:
                     latest = self.run.checkpoints.latest
                     log.warning("run %s: the training loop did not attach a checkpoint to report %d when "
                                 "asked (train.get_context().should_checkpoint() was true); a restore "
                                 "resumes from %s", self.run.path, iteration,
                                 latest.name if latest else "the start")
-        reply = ("reply", flags)
+        reply = Reply(stop=stop, checkpoint=checkpoint)
         for rank in sorted(by_rank):
             group.send(rank, reply)
         if self.run_config.verbose >= 2:
@@ -277,14 +274,14 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _root_cause(group: Any, failures: list[tuple[int, BaseException]]) -> BaseException:
+def _root_cause(group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> BaseException:
     """The error to handle for a failed group: the first failure, unless a rank reported an
-    error while a peer was killed by a signal (OOM, SIGKILL): the error is then usually just
-    the broken connection to that peer, and the kill is the root cause."""
+    error while a peer was killed (a signal: OOM, SIGKILL) or lost with its node: the error is
+    then usually just the broken connection to that peer, and the loss is the root cause."""
     rank, first = failures[0]
     if isinstance(first, WorkerDied):
         return WorkerError(str(first), rank=rank)
-    for killed in group.killed_by_signal(ROOT_CAUSE_WAIT_S):
+    for killed in group.lost_ranks(ROOT_CAUSE_WAIT_S):
         error = WorkerError(f"{killed}; then rank {rank} failed with {_first_line(first)}", rank=killed.rank)
         error.__cause__ = first
         return error

@@ -130,3 +130,29 @@ class InsufficientResourcesError(UnbrokenError, RuntimeError):
 
 class StorageFullError(StorageError):
     """The run's storage ran out of space (ENOSPC, or an object store's quota) while writing."""
+
+
+class WorkerDied(UnbrokenError, RuntimeError):
+    """A rank's worker ended without saying it was done: its process exited or was killed by
+    a signal, or the node it ran on was lost. The engine says which; the controller turns it
+    into a WorkerError."""
+
+    def __init__(self, rank: int, *, exit_code: int | None = None, signal_name: str | None = None,
+                 node_lost: str | None = None, engine: str = "local") -> None:
+        if node_lost is not None:
+            how = f"was lost with its node ({node_lost})"
+        elif signal_name is not None:
+            how = f"was killed by {signal_name}"
+        else:
+            how = f"exited with code {exit_code} without reporting an error"
+        super().__init__(f"worker rank {rank} (of the {engine} engine) {how}")
+        self.rank = rank
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+        self.node_lost = node_lost
+
+    @property
+    def violent(self) -> bool:
+        """Killed (a signal, the OOM killer) or lost with its node, rather than exiting: when
+        its peers fail at the same moment, this is the root cause of their errors."""
+        return self.signal_name is not None or self.node_lost is not None

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unbroken import faults
 from unbroken.checkpoint import Checkpoint
 from unbroken.commit import staging_name, write_rank_files
 from unbroken.history import check_json_metrics
+from unbroken.protocol import Reply, Report
 from unbroken.storage import Storage
+
+if TYPE_CHECKING:
+    from unbroken.engine.base import Channel
 
 
 class StopTraining(BaseException):
@@ -113,28 +117,28 @@ class TrainContext:
 class Session:
     """One worker's connection to the driver."""
 
-    def __init__(self, info: WorkerInfo, conn: Any, datasets: dict[str, Any] | None) -> None:
+    def __init__(self, info: WorkerInfo, channel: Channel, datasets: dict[str, Any] | None) -> None:
         self.info = info
-        self.conn = conn
+        self.channel = channel
         self.datasets = datasets or {}
         self.iteration = info.start_iteration
         self.reports = 0
         self._awaiting_reply = False
-        self._flags: dict[str, bool] = {}
+        self._reply = Reply()  # the latest reply taken (a fresh one between report and reply)
         self.context = TrainContext(info, self)
 
     def _take_reply(self) -> None:
         if self._awaiting_reply:
-            kind, flags = self.conn.recv()
-            assert kind == "reply", kind
-            self._flags = flags
+            reply = self.channel.recv()
+            assert isinstance(reply, Reply), reply
+            self._reply = reply
             self._awaiting_reply = False
-        if self._flags.get("stop"):
+        if self._reply.stop:
             raise StopTraining()
 
     def should_checkpoint(self) -> bool:
         self._take_reply()
-        return bool(self._flags.get("checkpoint"))
+        return self._reply.checkpoint
 
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
         check_json_metrics(metrics)
@@ -151,25 +155,26 @@ class Session:
                                  "directory and pass Checkpoint.from_directory(it)")
             staging = staging_name(iteration, self.info.attempt, self.info.storage)
             files = write_rank_files(self.info.storage, staging, checkpoint.path, self.info.world_rank)
-        asked = bool(self._flags.get("checkpoint"))
-        self.conn.send(("report", iteration, metrics, files))
+        asked = self._reply.checkpoint
+        self.channel.send(Report(iteration, metrics, files))
         faults.point("after_report")
         self.iteration = iteration
         self.reports += 1
         self._awaiting_reply = True
-        self._flags = {}
+        self._reply = Reply()
         if asked:
             # The driver asked for this checkpoint (preemption): take its verdict now, so that a
             # stop ends the loop right after the commit instead of after one more iteration.
             self._take_reply()
 
-    def finish(self) -> None:
-        """Wait for the driver to have processed the last report, then say we are done."""
+    def finish(self) -> int:
+        """Wait for the driver to have processed the last report; returns how many reports
+        this rank made (its `Done`)."""
         try:
             self._take_reply()
         except StopTraining:
             pass
-        self.conn.send(("done", self.reports))
+        return self.reports
 
     def get_checkpoint(self) -> Checkpoint | None:
         return self.info.checkpoint

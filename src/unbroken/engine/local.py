@@ -14,12 +14,17 @@ import multiprocessing.connection
 import os
 import selectors
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.engine.worker import Pickled, WorkerPayload, worker_main
+from unbroken.engine.base import Event, Placement, Wakeup
+from unbroken.engine.process import Carried, die_with_parent, ignore_terminal_signals
+from unbroken.engine.worker import WorkerPayload, run_worker
+from unbroken.errors import WorkerDied
+from unbroken.protocol import Done
 
 # Python threads that survive a fork harmlessly: fsspec's event-loop thread for async
 # filesystems (s3fs, gcsfs) and that loop's executor threads (DNS lookups) are idle between
@@ -78,50 +83,58 @@ def _context(method: str) -> Any:
     ctx = mp.get_context(method)
     if method == "forkserver":
         preload = ["torch"] if "torch" in sys.modules else []
-        ctx.set_forkserver_preload([*preload, "unbroken.engine.forkserver_init", "unbroken.engine.worker"])
+        ctx.set_forkserver_preload([*preload, "unbroken.engine.forkserver_init", "unbroken.engine.local"])
     return ctx
 
 
-class WorkerDied(Exception):
-    def __init__(self, rank: int, exitcode: int | None) -> None:
-        if exitcode is not None and exitcode < 0:
-            how = f"was killed by {signal.Signals(-exitcode).name}"
-        else:
-            how = f"exited with code {exitcode} without reporting an error"
-        super().__init__(f"worker rank {rank} (of the local engine) {how}")
-        self.rank = rank
-        self.exitcode = exitcode
+def _died(rank: int, exitcode: int | None) -> WorkerDied:
+    if exitcode is not None and exitcode < 0:
+        return WorkerDied(rank, exit_code=exitcode, signal_name=signal.Signals(-exitcode).name)
+    return WorkerDied(rank, exit_code=exitcode)
+
+
+def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
+    """A local worker process: the process-level part around the engine-neutral `run_worker`.
+    It ignores terminal signals (the driver coordinates), dies with its parent, and exits
+    without running the driver's atexit handlers it inherited through fork."""
+    ignore_terminal_signals()
+    die_with_parent(parent_pid)
+    outcome = run_worker(payload.obj, conn)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if isinstance(outcome, Done) else 1)
 
 
 class LocalWorkerGroup:
-    """Worker processes on this machine, addressed by rank."""
+    """Worker processes on this machine, addressed by rank: a `WorkerGroup` (engine.base)."""
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._selector = selectors.DefaultSelector()
+        self._wake: Wakeup | None = None
 
-    def start(self, make_payload: Callable[[int, int, int], WorkerPayload]) -> None:
-        """Start every worker; `make_payload(rank, local_rank, node_rank)` says what it runs."""
+    def start(self, payload: Callable[[Placement], WorkerPayload]) -> list[Placement]:
         method = start_method()
         ctx = _context(method)
         # A forked worker's parent is this driver; a forkserver's child has the server as parent.
         parent = os.getpid() if method == "fork" else None
-        for rank in range(self.num_workers):
+        host = socket.gethostname()
+        n = self.num_workers
+        placements = [Placement(rank=r, node_rank=0, local_rank=r, local_world_size=n, node_id=host,
+                                node_address="127.0.0.1") for r in range(n)]
+        for p in placements:
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=worker_main, name=f"unbroken-worker-{rank}",
-                               args=(Pickled(make_payload(rank, rank, 0)), child_end, parent))
+            proc = ctx.Process(target=worker_process, name=f"unbroken-worker-{p.rank}",
+                               args=(Carried(payload(p), ignore_terminal_signals), child_end, parent))
             proc.start()
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
-            self._selector.register(parent_end, selectors.EVENT_READ, ("message", rank))
-            self._selector.register(proc.sentinel, selectors.EVENT_READ, ("exit", rank))
-
-    def watch(self, source: Any) -> None:
-        """Also wake `poll` when `source` (anything with fileno() and drain()) becomes readable."""
-        self._selector.register(source, selectors.EVENT_READ, ("wake", source))
+            self._selector.register(parent_end, selectors.EVENT_READ, ("message", p.rank))
+            self._selector.register(proc.sentinel, selectors.EVENT_READ, ("exit", p.rank))
+        return placements
 
     def send(self, rank: int, message: Any) -> None:
         try:
@@ -129,14 +142,12 @@ class LocalWorkerGroup:
         except (BrokenPipeError, ConnectionResetError):
             pass  # its death is reported by poll()
 
-    def poll(self, timeout: float) -> list[tuple[int, Any]]:
-        """What happened within `timeout`, as (rank, message) in each rank's order.
-
-        A worker that exited without saying it was done appears once as (rank, WorkerDied),
-        in a poll after the one that returned its last message (its error report, or a report
-        that completes a round), so the caller has seen that message first.
-        """
-        out, dead = [], []
+    def poll(self, timeout: float, wake: Wakeup | None = None) -> list[Event]:
+        if wake is not None and wake is not self._wake:
+            self._selector.register(wake, selectors.EVENT_READ, ("wake", wake))
+            self._wake = wake
+        out: list[Event] = []
+        dead = []
         for key, _ in self._selector.select(timeout):
             kind, what = key.data
             if kind == "wake":
@@ -151,10 +162,10 @@ class LocalWorkerGroup:
                 continue  # its death shows in the next poll, unless a message said it was done
             self._selector.unregister(self.procs[rank].sentinel)
             self.procs[rank].join()
-            out.append((rank, WorkerDied(rank, self.procs[rank].exitcode)))
+            out.append((rank, _died(rank, self.procs[rank].exitcode)))
         return out
 
-    def _read(self, rank: int) -> list[tuple[int, Any]]:
+    def _read(self, rank: int) -> list[Event]:
         """Every message waiting in `rank`'s pipe."""
         conn, out = self.conns[rank], []
         try:
@@ -165,22 +176,17 @@ class LocalWorkerGroup:
                 self._selector.unregister(conn)
         return out
 
-    def killed_by_signal(self, wait_s: float) -> list[WorkerDied]:
-        """Workers that died by a signal, waiting up to `wait_s` for one to go. When a rank
-        reports an error, a peer killed at the same moment (OOM, SIGKILL) is the root cause:
-        the reporting rank's error is usually just the broken connection to it."""
+    def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
         alive = [p for p in self.procs if p.exitcode is None]
         if alive:
             mp.connection.wait([p.sentinel for p in alive], timeout=wait_s)
-        return [WorkerDied(rank, p.exitcode) for rank, p in enumerate(self.procs)
+        return [_died(rank, p.exitcode) for rank, p in enumerate(self.procs)
                 if p.exitcode is not None and p.exitcode < 0]
 
     def mark_finished(self, rank: int) -> None:
-        """A worker said it is done: its exit is expected from now on."""
         self._selector.unregister(self.procs[rank].sentinel)
 
     def shutdown(self, kill: bool = False) -> None:
-        """Wait for the workers to exit (or SIGKILL them) and close the pipes."""
         for proc in self.procs:
             if kill and proc.is_alive():
                 proc.kill()

@@ -1,13 +1,15 @@
-"""The worker process: set up, run the trainer's training_loop, report how it ended.
+"""A worker's body, the same on every engine: set up, run the trainer's training loop, say
+how it ended.
 
-Engine-independent: the local engine runs `worker_main` in a forked process; any other
-engine would run the same function with its own connection object.
+`run_worker(payload, channel)` is all an engine runs in a rank; it never ignores signals,
+ties its life to a parent or exits the process (a long-lived worker of another engine must
+outlive it). Those process-level concerns belong to the engine's own wrapper, e.g.
+`engine.local.worker_process`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from typing import Any
 import cloudpickle
 
 from unbroken import session as session_mod
+from unbroken.engine.base import Channel
+from unbroken.protocol import Done, Failed, Outcome, Rendezvous
 from unbroken.session import Session, StopTraining, WorkerInfo
 
 
@@ -25,98 +29,59 @@ class WorkerPayload:
     trainer: Any
 
 
-class Pickled:
-    """Carries a payload to a process that is not forked from the driver (cloudpickle, so
-    functions defined in __main__ travel too). Under fork it is never pickled at all."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __reduce__(self):
-        return (_unpickle, (cloudpickle.dumps(self.obj),))
-
-
-def _unpickle(data: bytes) -> Pickled:
-    # Unpickled only in a worker started by a forkserver: ignore terminal signals from here on.
-    _ignore_terminal_signals()
-    return Pickled(cloudpickle.loads(data))
-
-
-def _die_with_parent(parent_pid: int | None) -> None:
-    """Linux: the kernel SIGKILLs this worker when its parent (the driver, or the forkserver
-    that exits with the driver) dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _ignore_terminal_signals() -> None:
-    # The driver coordinates shutdown; a Ctrl-C in the terminal must not kill workers mid-write.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _set_up_process(info: WorkerInfo, parent_pid: int | None) -> None:
-    _ignore_terminal_signals()
-    _die_with_parent(parent_pid)
+def _set_up(info: WorkerInfo) -> None:
     os.environ.update(info.env)
     os.environ.update(RANK=str(info.world_rank), WORLD_SIZE=str(info.world_size),
                       LOCAL_RANK=str(info.local_rank), LOCAL_WORLD_SIZE=str(info.local_world_size),
                       NODE_RANK=str(info.node_rank), OMP_NUM_THREADS=str(info.cpus))
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(info.cpus)
-
-
-def worker_main(payload: Pickled, conn: Any, parent_pid: int | None) -> None:
-    work: WorkerPayload = payload.obj
-    info, trainer = work.info, work.trainer
-    _set_up_process(info, parent_pid)
     if not info.storage.is_local:
         # An async filesystem (s3fs, gcsfs) inherited through fork is tied to the driver's event
         # loop; a pickle round trip gives this process its own instance.
         info.storage, info.checkpoint = cloudpickle.loads(cloudpickle.dumps((info.storage, info.checkpoint)))
-    session = Session(info, conn, getattr(trainer, "datasets", None))
+
+
+def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
+    """Run one rank's part of an attempt; sends the outcome (Done or Failed) to the driver as
+    the last message, and returns it."""
+    info, trainer = payload.info, payload.trainer
+    _set_up(info)
+    session = Session(info, channel, getattr(trainer, "datasets", None))
     session_mod.install(session)
     backend = trainer._backend()
 
     def rendezvous(value: Any) -> Any:
         if info.world_rank == 0:
-            conn.send(("rendezvous", value))
+            channel.send(Rendezvous(value))
             return value
-        kind, value = conn.recv()
-        assert kind == "rendezvous", kind
-        return value
+        message = channel.recv()
+        assert isinstance(message, Rendezvous), message
+        return message.value
 
-    code = 0
+    outcome: Outcome
     try:
-        backend.on_start(session, rendezvous)
         try:
-            trainer.training_loop()
-        except StopTraining:
-            pass
-        session.finish()
-    except BaseException as e:  # noqa: BLE001 - everything is reported to the driver
-        code = 1
-        text = traceback.format_exc()
+            backend.on_start(session, rendezvous)
+            try:
+                trainer.training_loop()
+            except StopTraining:
+                pass
+            outcome = Done(session.finish())
+        except BaseException as e:  # noqa: BLE001 - everything is reported to the driver
+            try:
+                blob = cloudpickle.dumps(e)
+            except Exception:
+                blob = None
+            outcome = Failed(traceback.format_exc(), blob)
         try:
-            blob = cloudpickle.dumps(e)
-        except Exception:
-            blob = None
-        try:
-            conn.send(("error", text, blob))
+            channel.send(outcome)
         except OSError:
-            pass
+            pass  # the driver is gone
     finally:
         try:
             backend.on_shutdown(session)
         except Exception:
             pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+        session_mod.install(None)
+    return outcome

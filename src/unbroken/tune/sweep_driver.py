@@ -35,16 +35,18 @@ from typing import Any
 from unbroken import faults, history
 from unbroken import manifest as mf
 from unbroken.engine.local import start_method
+from unbroken.engine.process import Carried
 from unbroken.errors import TrainingInterruptedError, UnbrokenError
 from unbroken.lease import Lease
 from unbroken.preemption import Interrupts
+from unbroken.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
 from unbroken.storage import Storage
 from unbroken.tune import asha
 from unbroken.tune import search_space as ss
 from unbroken.tune import sweep as sw
 from unbroken.tune.search.searcher import SearchContext, Searcher
 from unbroken.tune.sweep import TrialRecord
-from unbroken.tune.trial import Carry, TrialPayload, build_trainer, trial_main, trial_run_config
+from unbroken.tune.trial import TrialPayload, build_trainer, trial_main, trial_run_config
 
 log = logging.getLogger("unbroken")
 
@@ -102,7 +104,7 @@ class _Running:
     record: TrialRecord
     proc: Any
     conn: Any
-    message: tuple | None = None
+    message: TrialOutcome | None = None
     conn_open: bool = True
 
 
@@ -251,7 +253,7 @@ class SweepDriver:
         ctx = mp.get_context(self._method)
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=trial_main, name=f"unbroken-trial-{record.name}",
-                           args=(Carry(TrialPayload(trainer, url, info)), writer, os.getpid()))
+                           args=(Carried(TrialPayload(trainer, url, info)), writer, os.getpid()))
         # Blocked around the fork: a signal meant for the sweep cannot hit the new process
         # while it still has the sweep driver's handlers; it is delivered after the fork.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, set(_TERMINAL))
@@ -287,18 +289,17 @@ class SweepDriver:
 
     def _collect(self, running: _Running, stopping: bool) -> None:
         """A trial process ended: record what became of the trial."""
-        record, message = running.record, running.message
-        kind = message[0] if message else None
+        record, outcome = running.record, running.message
         exitcode = running.proc.exitcode
-        if kind == "done":
+        if isinstance(outcome, TrialDone):
             self._ended(record, sw.TERMINATED)
-        elif kind == "interrupted":
+        elif isinstance(outcome, TrialInterrupted):
             self._ended(record, sw.INTERRUPTED)
-        elif kind == "error":
-            if stopping and message[1] == "KeyboardInterrupt":
+        elif isinstance(outcome, TrialFailed):
+            if stopping and outcome.kind == "KeyboardInterrupt":
                 self._ended(record, sw.INTERRUPTED)
             else:
-                self._ended(record, sw.ERROR, message[2])
+                self._ended(record, sw.ERROR, outcome.summary)
         elif stopping:
             self._ended(record, sw.INTERRUPTED)
         else:

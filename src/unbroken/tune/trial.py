@@ -24,13 +24,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
-
 from unbroken import manifest as mf
 from unbroken import restore as rs
 from unbroken.config import FailureConfig, RunConfig, ScalingConfig
+from unbroken.engine.process import Carried, die_with_parent
 from unbroken.errors import TrainingInterruptedError
 from unbroken.lease import live_holder
+from unbroken.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
 from unbroken.storage import Storage
 from unbroken.train import report
 from unbroken.trainer import BaseTrainer, DataParallelTrainer
@@ -177,21 +177,6 @@ class TrialPayload:
     info: dict[str, Any]      # trial_name, trial_id, trial_dir for train.get_context()
 
 
-class Carry:
-    """Carries the payload to a trial process that is not forked (cloudpickle, so functions
-    defined in __main__ travel too). Under fork it is never pickled at all."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __reduce__(self):
-        return (_uncarry, (cloudpickle.dumps(self.obj),))
-
-
-def _uncarry(data: bytes) -> Carry:
-    return Carry(cloudpickle.loads(data))
-
-
 def _set_up_process(parent_pid: int | None) -> None:
     # The sweep driver's signal handlers were inherited through fork: restore the defaults
     # (the trial's Controller installs its own), in a process group of its own, so that a
@@ -202,14 +187,7 @@ def _set_up_process(parent_pid: int | None) -> None:
         os.setpgrp()
     except OSError:
         pass
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)  # the sweep driver died before prctl took effect
+    die_with_parent(parent_pid)
     # The driver blocked these signals around the fork; one that arrived meanwhile lands now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
@@ -250,19 +228,19 @@ def run_trial(payload: TrialPayload) -> str:
     return trainer.fit().status or mf.FINISHED
 
 
-def trial_main(carry: Carry, conn: Any, parent_pid: int | None) -> None:
+def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
     """The body of a trial's process."""
     _set_up_process(parent_pid)
+    outcome: TrialOutcome
     try:
-        status = run_trial(carry.obj)
-        message: tuple = ("done", status)
+        outcome = TrialDone(run_trial(carried.obj))
     except TrainingInterruptedError as e:
-        message = ("interrupted", str(e).splitlines()[0])
+        outcome = TrialInterrupted(str(e).splitlines()[0])
     except BaseException as e:  # noqa: BLE001 - everything is reported to the sweep driver
         first = str(e).splitlines()[0] if str(e) else ""
-        message = ("error", type(e).__name__, f"{type(e).__name__}: {first}"[:500], traceback.format_exc())
+        outcome = TrialFailed(type(e).__name__, f"{type(e).__name__}: {first}"[:500], traceback.format_exc())
     try:
-        conn.send(message)
+        conn.send(outcome)
         conn.close()
     except OSError:
         pass

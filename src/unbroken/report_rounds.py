@@ -12,17 +12,19 @@ never lost to the failure that follows it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from unbroken.errors import ReportMismatchError, WorkerHangError
+from unbroken.protocol import Report
 
 
 @dataclass
-class Rounds:
-    """The driver's view of the reports of one attempt."""
+class ReportRounds:
+    """The driver's view of the reports of one attempt. Pure bookkeeping: it sends nothing,
+    and times are given to it (`heard`, `hang_left`), so tests drive it directly."""
 
     num_workers: int
-    pending: dict[int, dict[int, tuple[dict, list | None]]] = field(default_factory=dict)
+    last_heard: float = 0.0  # when a message last arrived (or the attempt began)
+    pending: dict[int, dict[int, Report]] = field(default_factory=dict)
     reported: list[int] = field(default_factory=list)
     done: dict[int, int] = field(default_factory=dict)  # rank -> its report count when it finished
     failed: set[int] = field(default_factory=set)
@@ -34,14 +36,22 @@ class Rounds:
     def all_done(self) -> bool:
         return len(self.done) == self.num_workers
 
-    def add_report(self, rank: int, iteration: int, metrics: dict, files: Any) -> dict | None:
+    def heard(self, now: float) -> None:
+        """A message arrived at `now` (progress, for the hang timeout)."""
+        self.last_heard = now
+
+    def hang_left(self, now: float, hang_s: float) -> float:
+        """Seconds until the group counts as hung (<= 0: it does), with no message since."""
+        return self.last_heard + hang_s - now
+
+    def add_report(self, rank: int, report: Report) -> dict[int, Report] | None:
         """Record one rank's report; returns the round's reports by rank once it is complete."""
         self.reported[rank] += 1
-        round_ = self.pending.setdefault(iteration, {})
-        round_[rank] = (metrics, files)
+        round_ = self.pending.setdefault(report.iteration, {})
+        round_[rank] = report
         if len(round_) < self.num_workers:
             return None
-        return self.pending.pop(iteration)
+        return self.pending.pop(report.iteration)
 
     def finish(self, rank: int, reports: int) -> None:
         self.done[rank] = reports

@@ -1,0 +1,86 @@
+"""The messages between the driver and its workers, and between a sweep driver and its trials.
+
+Small frozen records, the same on every engine. A worker sends `Report`s, rank 0 one
+`Rendezvous` during set-up, and ends with `Done` or `Failed`; the driver answers every
+complete round with a `Reply` and forwards rank 0's `Rendezvous` to the other ranks. A
+trial's process ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message
+travels (a pipe, a socket) is the engine's business; what it means is here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from unbroken.commit import FileEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A rank's report N: its metrics, and the files it staged for checkpoint N (if any)."""
+
+    iteration: int
+    metrics: dict[str, Any]
+    files: list[FileEntry] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The driver's answer to a complete round, the same for every rank: stop at the next
+    report, and/or checkpoint at it (a preemption)."""
+
+    stop: bool = False
+    checkpoint: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """A value rank 0 shares with every rank during set-up (e.g. the process group's port)."""
+
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The worker's loop ended normally after `reports` reports."""
+
+    reports: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The worker's loop raised: the traceback text and the cloudpickled exception (None when
+    it does not pickle)."""
+
+    traceback: str
+    error: bytes | None = None
+
+
+WorkerMessage = Union[Report, Rendezvous, Done, Failed]
+Outcome = Union[Done, Failed]
+
+
+@dataclass(frozen=True, slots=True)
+class TrialDone:
+    """A trial's run ended with this run status (FINISHED, or ERRORED within the run)."""
+
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class TrialInterrupted:
+    """A trial's run was interrupted by a signal; `reason` is the first line of the error."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TrialFailed:
+    """A trial's process raised: the exception's type name, a one-line summary, the traceback."""
+
+    kind: str
+    summary: str
+    traceback: str
+
+
+TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
