@@ -1,0 +1,139 @@
+"""The controller's transitions, driven in-process by a fake worker group (tests/fake_group.py):
+rounds, failures, retries, root causes, hangs, mismatched reports, stop conditions and
+preemption. The same behaviours with real worker processes are in test_failures.py,
+test_reported_rounds.py, test_preemption.py and test_train.py."""
+
+import json
+import os
+
+import pytest
+
+from fake_group import HANG, SIGTERM_DRIVER, SLOW, FakeWorkerGroup, die, raise_, report
+from unbroken import restore as rs
+from unbroken.controller import Controller, ControllerState
+from unbroken.errors import ReportMismatchError, TrainingInterruptedError, WorkerError, WorkerHangError
+from unbroken.train import (
+    DataParallelTrainer,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+)
+
+
+def never_called(config):
+    raise AssertionError("a fake group runs no training loop")
+
+
+class Harness:
+    """A real run directory driven by a controller whose attempts get fake groups."""
+
+    def __init__(self, storage, attempts, max_failures=0, **run_config):
+        self.attempts = list(attempts)  # one list of rank scripts per attempt
+        self.groups: list[FakeWorkerGroup] = []
+        trainer = DataParallelTrainer(
+            never_called, scaling_config=ScalingConfig(num_workers=len(self.attempts[0])),
+            run_config=RunConfig(name="run", storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=max_failures, **{
+                                     k: run_config.pop(k) for k in ("hang_timeout_s",) if k in run_config}),
+                                 **run_config))
+        self.run, _ = rs.open_run(trainer)
+        self.controller = Controller(trainer, self.run, "restore(...)", group_factory=self.group)
+        self.path = self.run.path
+
+    def group(self, scaling):
+        assert scaling.num_workers == len(self.attempts[len(self.groups)])
+        g = FakeWorkerGroup(self.attempts[len(self.groups)])
+        self.groups.append(g)
+        return g
+
+    def execute(self):
+        self.controller.execute()
+
+    def rows(self):
+        with open(os.path.join(self.path, "result.json")) as f:
+            return [json.loads(line) for line in f]
+
+    def manifest(self):
+        with open(os.path.join(self.path, ".unbroken", "run.json")) as f:
+            return json.load(f)
+
+
+def test_rounds_become_rows_and_every_rank_gets_each_reply(storage):
+    h = Harness(storage, [[[report(loss=3), report(loss=2, checkpoint=True), report(loss=1)],
+                           [report(loss=9), report(loss=9, checkpoint=True), report(loss=9)]]])
+    h.execute()
+    assert [(r["training_iteration"], r["loss"]) for r in h.rows()] == [(1, 3), (2, 2), (3, 1)]
+    assert [r["checkpoint_dir_name"] for r in h.rows()] == [None, "checkpoint_000002", None]
+    assert h.controller.state is ControllerState.FINISHED
+    group = h.groups[0]
+    assert [len(r.replies) for r in group.ranks] == [3, 3]
+    assert group.finished == {0, 1} and group.shut_down is False
+    assert [p.info.local_world_size for p in group.payloads] == [2, 2], "the placement, not a guess"
+
+
+def test_a_round_completed_after_a_failure_is_kept_and_the_retry_resumes_from_it(storage):
+    # Rank 1 raises right after report 2; the slower rank 0 sends its report 2 only in a later
+    # poll, after the driver has seen the error.
+    h = Harness(storage, [
+        [[report(it=1), SLOW, SLOW, report(it=2, checkpoint=True)],
+         [report(it=1), report(it=2, checkpoint=True), raise_("boom")]],
+        [[report(it=3)], [report(it=3)]],
+    ], max_failures=1)
+    h.execute()
+    assert [r["training_iteration"] for r in h.rows()] == [1, 2, 3]
+    attempts = h.manifest()["attempts"]
+    assert [a["status"] for a in attempts] == ["ERRORED", "FINISHED"]
+    assert "boom" in attempts[0]["error"] and attempts[1]["resumed_from"] == "checkpoint_000002"
+    assert h.groups[1].payloads[0].info.start_iteration == 2
+    assert h.groups[0].shut_down is True, "a failed group is killed"
+
+
+def test_a_killed_peer_is_the_root_cause_of_its_neighbours_error(storage):
+    h = Harness(storage, [[[report(), die("SIGKILL")],
+                           [report(), raise_("Connection reset by peer")]]])
+    with pytest.raises(TrainingFailedError) as info:
+        h.execute()
+    cause = info.value.__cause__
+    assert isinstance(cause, WorkerError) and cause.rank == 0
+    assert "worker rank 0 (of the fake engine) was killed by SIGKILL" in str(cause)
+    assert h.controller.state is ControllerState.ERRORED
+    assert [r["training_iteration"] for r in h.rows()] == [1]
+
+
+def test_a_rank_that_stops_reporting_is_a_hang_naming_it(storage):
+    h = Harness(storage, [[[report(), report()], [report(), HANG]]], hang_timeout_s=0.05)
+    with pytest.raises(TrainingFailedError) as info:
+        h.execute()
+    cause = info.value.__cause__
+    assert isinstance(cause, WorkerHangError)
+    assert "rank(s) [1] did not report iteration 2" in str(cause) and "rank(s) [0] did" in str(cause)
+
+
+def test_ranks_that_report_a_different_number_of_times_are_refused_without_retry(storage):
+    h = Harness(storage, [[[report(), report(), report()], [report(), report()]]], max_failures=3)
+    with pytest.raises(TrainingFailedError) as info:
+        h.execute()
+    assert isinstance(info.value.__cause__, ReportMismatchError)
+    assert "rank 0: 3, rank 1: 2" in str(info.value.__cause__)
+    assert len(h.groups) == 1, "a mismatch is never retried"
+
+
+def test_a_stop_condition_ends_every_rank_at_the_same_report(storage):
+    script = [report(), report(), report(), report()]
+    h = Harness(storage, [[list(script), list(script)]], stop={"training_iteration": 2})
+    h.execute()
+    assert [r["training_iteration"] for r in h.rows()] == [1, 2]
+    assert [[r.stop for r in rank.replies] for rank in h.groups[0].ranks] == [[False, True]] * 2
+
+
+def test_a_preemption_asks_for_a_checkpoint_at_the_next_report_then_stops(storage):
+    h = Harness(storage, [[[report(), SIGTERM_DRIVER, report(), report(checkpoint=True), report()],
+                           [report(), report(), report(checkpoint=True), report()]]])
+    with pytest.raises(TrainingInterruptedError) as info:
+        h.execute()
+    assert "checkpoint_000003" in str(info.value)
+    replies = [(r.checkpoint, r.stop) for r in h.groups[0].ranks[1].replies]
+    assert replies[-2:] == [(True, False), (False, True)], replies
+    assert h.manifest()["status"] == "INTERRUPTED"
+    assert [r["training_iteration"] for r in h.rows()] == [1, 2, 3]
