@@ -249,7 +249,7 @@ def _worker_init_fn(loader: DataLoader) -> Any:
     return _DieWithRank(fn)
 
 
-def _ranks() -> tuple[int, int]:
+def worker_ranks() -> tuple[int, int]:
     """(rank, world size) of this worker: from the session, else torch.distributed, else (0, 1)."""
     session = session_mod._current
     if session is not None:
@@ -310,7 +310,7 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
                         f"{type(data_loader).__name__}. Hint: wrap your dataset: "
                         "prepare_data_loader(DataLoader(dataset, batch_size=..., shuffle=True))")
     device = get_device() if move_to_device else torch.device("cpu")
-    rank, world_size = _ranks()
+    rank, world_size = worker_ranks()
     reason = _why_not_resumable(data_loader, add_dist_sampler, world_size)
     if reason is not None:
         data_loader.worker_init_fn = _worker_init_fn(data_loader)

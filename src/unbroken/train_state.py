@@ -36,6 +36,7 @@ from unbroken import session as session_mod
 from unbroken import train
 from unbroken.checkpoint import Checkpoint
 from unbroken.errors import StateMismatchError
+from unbroken.torch_backend import worker_ranks
 
 try:
     import numpy as _np
@@ -57,16 +58,6 @@ _LOADABLE_SCALARS = _PLAIN_SCALARS + (torch.Size, torch.dtype, torch.device)
 def rng_file(rank: int) -> str:
     """The name of rank `rank`'s RNG file in a TrainState checkpoint."""
     return f"rng_rank{rank}.pt"
-
-
-def _ranks() -> tuple[int, int]:
-    """(rank, world size): from the session, else torch.distributed, else (0, 1)."""
-    session = session_mod._current
-    if session is not None:
-        return session.info.world_rank, session.info.world_size
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _unwrap(model: Any) -> Any:
@@ -225,7 +216,7 @@ class TrainState:
         attach TrainState's files to a checkpoint of your own.
         """
         directory = os.fspath(directory)
-        rank, world_size = _ranks()
+        rank, world_size = worker_ranks()
         written = []
         if rank == 0:
             for name, value in self._values.items():
@@ -308,7 +299,7 @@ class TrainState:
         for name in self._values:
             if name in values:
                 self._values[name] = values[name]
-        rank, _ = _ranks()
+        rank, _ = worker_ranks()
         rng_path = os.path.join(directory, rng_file(rank))
         if not os.path.exists(rng_path):
             logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
