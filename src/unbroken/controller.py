@@ -197,16 +197,7 @@ class Controller:
         hang_s = self.run_config.failure_config.hang_timeout_s
         while not rounds.all_done:
             self.run.lease.beat()
-            if self.interrupts.count > signals:
-                signals = self.interrupts.count
-                if signals > 1 or self.state is ControllerState.STOPPING:
-                    log.warning("run %s: %s again: stopping the workers now", self.run.path,
-                                self.interrupts.signal_name)
-                    self.state = ControllerState.INTERRUPTED
-                    raise _StopNow
-                self.state = ControllerState.STOPPING
-                log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
-                            "(send it again to stop at once)", self.run.path, self.interrupts.signal_name)
+            signals = self._take_signals(signals)
             now = time.monotonic()
             timeout = POLL_S
             if failures:
@@ -222,26 +213,46 @@ class Controller:
             elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
                 raise rounds.hang_error(hang_s)
             for rank, message in events:
-                if isinstance(message, Report):
-                    complete = rounds.add_report(rank, message)
-                    if complete is not None:
-                        self._complete_round(group, message.iteration, complete)
-                elif isinstance(message, Rendezvous):
-                    for other in range(1, rounds.num_workers):
-                        group.send(other, message)
-                elif isinstance(message, Done):
-                    rounds.finish(rank, message.reports)
-                    group.mark_finished(rank)
-                elif isinstance(message, (Failed, WorkerDied)):
-                    rounds.fail(rank)
-                    failures.append((rank, message if isinstance(message, WorkerDied) else
-                                     _worker_exception(rank, message.traceback, message.error)))
-                else:
-                    raise TypeError(f"rank {rank} sent an unknown message {message!r}")
+                self._take(group, rounds, failures, rank, message)
             if failures:
                 failed_at = failed_at or now
             else:
                 rounds.check_counts()
+
+    def _take_signals(self, seen: int) -> int:
+        """React to SIGTERM/SIGINT received since `seen` of them: the first asks for a
+        checkpoint and a stop (STOPPING), another one stops at once. Returns the count."""
+        if self.interrupts.count <= seen:
+            return seen
+        if self.interrupts.count > 1 or self.state is ControllerState.STOPPING:
+            log.warning("run %s: %s again: stopping the workers now", self.run.path,
+                        self.interrupts.signal_name)
+            self.state = ControllerState.INTERRUPTED
+            raise _StopNow
+        self.state = ControllerState.STOPPING
+        log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
+                    "(send it again to stop at once)", self.run.path, self.interrupts.signal_name)
+        return self.interrupts.count
+
+    def _take(self, group: WorkerGroup, rounds: ReportRounds, failures: list[tuple[int, BaseException]],
+              rank: int, message: Any) -> None:
+        """Handle one event from the group; a failure is collected in `failures`, not raised."""
+        if isinstance(message, Report):
+            complete = rounds.add_report(rank, message)
+            if complete is not None:
+                self._complete_round(group, message.iteration, complete)
+        elif isinstance(message, Rendezvous):
+            for other in range(1, rounds.num_workers):
+                group.send(other, message)
+        elif isinstance(message, Done):
+            rounds.finish(rank, message.reports)
+            group.mark_finished(rank)
+        elif isinstance(message, (Failed, WorkerDied)):
+            rounds.fail(rank)
+            failures.append((rank, message if isinstance(message, WorkerDied) else
+                             _worker_exception(rank, message.traceback, message.error)))
+        else:
+            raise TypeError(f"rank {rank} sent an unknown message {message!r}")
 
     def _complete_round(self, group: WorkerGroup, iteration: int, by_rank: dict[int, Report]) -> None:
         files = [by_rank[r].files for r in sorted(by_rank) if by_rank[r].files is not None]
