@@ -4,22 +4,23 @@ receive, and the dispatch that keeps a failing callback from failing the run.
 The run directory (`unbroken.run.Run`) calls the dispatch at each event of a run: an
 attempt starts, a report round is recorded, a checkpoint commits, an attempt ends, the
 run ends. Callbacks run in the driver process only, in the order given, after the event
-is on storage.
+is on storage. This module does not import `run` (nor `progress`, one of the callbacks):
+they depend on it, not the other way round.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from unbroken.checkpoint import Checkpoint
 from unbroken.manifest import META_DIR
 
 if TYPE_CHECKING:
     from unbroken.commit import Marker
-    from unbroken.config import RunConfig
-    from unbroken.run import Run
+    from unbroken.manifest import Attempt, RunManifest
+    from unbroken.storage import Storage
 
 log = logging.getLogger("unbroken")
 
@@ -29,12 +30,23 @@ BOOKKEEPING = frozenset({"training_iteration", "iterations_since_restore", "time
                          "timestamp", "attempt", "checkpoint_dir_name"})
 
 
+class ObservedRun(Protocol):
+    """What the dispatch reads from the run it reports on (`unbroken.run.Run`)."""
+
+    storage: Storage
+    manifest: RunManifest
+    attempt: Attempt | None
+
+    @property
+    def path(self) -> str: ...
+
+
 class RunInfo:
     """What a callback may know about the run it observes. Read-only, except for the
     callback's own small state file (`load_state` / `save_state`), which lives in the run
     directory so that it survives resumes."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: ObservedRun) -> None:
         self._run = run
 
     @property
@@ -49,7 +61,7 @@ class RunInfo:
     @property
     def local_path(self) -> str | None:
         """The run directory on this machine's filesystem, or None on an object store."""
-        return self._run.storage.path() if self._run.storage.is_local else None
+        return self._run.storage.local_path()
 
     @property
     def run_id(self) -> str:
@@ -134,17 +146,7 @@ class CallbackList:
         self._warned: set[int] = set()
         self._broken: set[int] = set()  # set up failed: not called again in this fit()
 
-    @classmethod
-    def for_config(cls, run_config: RunConfig) -> CallbackList:
-        """The user's callbacks plus the progress display that `run_config.verbose` asks for."""
-        from unbroken.progress import ProgressReporter
-
-        callbacks = list(run_config.callbacks or [])
-        if run_config.verbose >= 1:
-            callbacks.append(ProgressReporter(run_config))
-        return cls(callbacks)
-
-    def bind(self, run: Run) -> CallbackList:
+    def bind(self, run: ObservedRun) -> CallbackList:
         """Attach to the run whose events this list will receive."""
         self.info = RunInfo(run)
         return self
@@ -185,7 +187,7 @@ class CallbackList:
     def checkpoint(self, marker: Marker) -> None:
         if self.callbacks:
             storage = self.info._run.storage
-            handle = Checkpoint(storage.url(marker.name), None if storage.is_local else storage.fs)
+            handle = Checkpoint(storage.url(marker.name), storage.filesystem_arg)
             self._each("on_checkpoint", handle, dict(marker.metrics))
 
     def attempt_ended(self, status: str, error: BaseException | None) -> None:

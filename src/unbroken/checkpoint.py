@@ -53,20 +53,16 @@ class Checkpoint:
         dst = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="unbroken-ckpt-")
         os.makedirs(dst, exist_ok=True)
         for rel in self._storage.walk_files():
-            if rel == MARKER:
-                continue
-            if self.is_local:
-                os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
-                shutil.copyfile(self._storage.path(rel), os.path.join(dst, rel))
-            else:
+            if rel != MARKER:
                 self._storage.get_file(rel, os.path.join(dst, rel))
         return dst
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:
         """A local directory with the files: the checkpoint itself when local, else a temp copy."""
-        if self.is_local:
-            yield self._storage.root
+        local = self._storage.local_path()
+        if local is not None:
+            yield local
             return
         tmp = self.to_directory()
         try:

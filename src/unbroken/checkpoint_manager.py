@@ -62,8 +62,9 @@ class CheckpointManager:
         return latest
 
     def _uncommitted_upload(self, name: str) -> bool:
-        """An unmarked directory on an object store is an upload that never committed."""
-        return not self.storage.is_local and not self.storage.exists(f"{name}/{commit.MARKER}")
+        """Where checkpoints are staged in place (object stores), an unmarked directory is an
+        upload that never committed."""
+        return not self.storage.renames_atomically and not self.storage.exists(f"{name}/{commit.MARKER}")
 
     def _set_aside(self, name: str, reason: Exception) -> None:
         if self._uncommitted_upload(name):

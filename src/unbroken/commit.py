@@ -78,7 +78,7 @@ def iteration_of(name: str) -> int | None:
 def staging_name(iteration: int, attempt: int, storage: Storage) -> str:
     """Where ranks write a checkpoint's files before it commits."""
     name = checkpoint_name(iteration)
-    return f"{name}.tmp-{attempt}" if storage.is_local else name
+    return f"{name}.tmp-{attempt}" if storage.renames_atomically else name
 
 
 def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) -> list[FileEntry]:
@@ -94,14 +94,8 @@ def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) 
             if rel != MARKER:
                 pairs.append((src, rel))
     try:
-        if storage.is_local:
-            sums = []
-            for src, rel in pairs:
-                sums.append(storage.put_file(src, f"{staging}/{rel}"))
-                faults.point("after_file_write")
-        else:
-            sums = storage.put_files([(src, f"{staging}/{rel}") for src, rel in pairs])
-            faults.point("after_file_write")
+        sums = storage.put_files([(src, f"{staging}/{rel}") for src, rel in pairs],
+                                 after_each=lambda: faults.point("after_file_write"))
     except OSError as e:
         if not is_full(e):
             raise
@@ -111,7 +105,7 @@ def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) 
         name = staging.split(".tmp-")[0]
         raise storage.full_error(f"for {name} (rank {rank}'s part of it)", size) from None
     entries = [FileEntry(rel, size, crc, rank) for (_, rel), (size, crc) in zip(pairs, sums, strict=True)]
-    if storage.is_local:
+    if storage.renames_atomically:  # the staging directory is renamed into place: make it durable first
         dirs = {posixpath.dirname(f"{staging}/{rel}") for _, rel in pairs}
         storage.makedirs(staging)
         for d in sorted(dirs | {staging}, reverse=True):
@@ -137,8 +131,8 @@ def merge_rank_files(per_rank: list[list[FileEntry]]) -> list[FileEntry]:
 
 def commit(storage: Storage, staging: str, marker: Marker) -> None:
     """Write the marker last and move the checkpoint into place (driver side)."""
-    if storage.is_local:  # object stores have no directories (and makedirs there probes the bucket)
-        storage.makedirs(staging)
+    if storage.renames_atomically:
+        storage.makedirs(staging)  # object stores stage in place (and makedirs there probes the bucket)
     faults.point("before_marker")
     storage.write_atomic(f"{staging}/{MARKER}", marker.to_bytes())
     faults.point("after_marker")
@@ -178,7 +172,7 @@ def verify(storage: Storage, name: str, full: bool | None = None) -> Marker:
 def uncommit_and_delete(storage: Storage, name: str) -> None:
     """Delete a checkpoint, marker first, so a crash midway leaves only an uncommitted leftover."""
     faults.point("before_delete")
-    if storage.is_local:
+    if storage.renames_atomically:
         doomed = f"{name}.del-{os.getpid()}"
         storage.rename(name, doomed)
         faults.point("during_delete")
@@ -196,8 +190,8 @@ def remove_leftovers(storage: Storage, ended_attempts: int) -> None:
     from now on stages under a higher attempt number, and a half-deleted checkpoint is
     garbage to every driver. Restores call it first, so that a run that stopped on a full
     disk gets back the space its torn checkpoint held before anything else is written."""
-    if not storage.is_local:
-        return  # an upload in progress there looks like any other uncommitted one
+    if not storage.renames_atomically:
+        return  # object stores stage in place: an upload in progress looks like any other uncommitted one
     for name in scan(storage)[1]:
         kind, _, owner = name.rpartition(".")[2].partition("-")
         if kind == "del" or (owner.isdigit() and int(owner) <= ended_attempts):

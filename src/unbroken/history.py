@@ -8,17 +8,15 @@ iteration exactly once.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
 import logging
 import math
-import os
 from typing import Any
 
-from unbroken.errors import MetricsNotSerializableError, StorageError
-from unbroken.storage import Storage, is_full
+from unbroken.errors import MetricsNotSerializableError
+from unbroken.storage import Appender, Storage
 
 log = logging.getLogger("unbroken")
 
@@ -52,59 +50,29 @@ class History:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self._file: Any = None
+        self._file: Appender | None = None
         self._rows: list[dict] | None = None
 
     def open(self) -> None:
         """Load existing rows, then open result.json for appending."""
-        self._rows = read_rows(self.storage)
-        if self.storage.is_local:
-            # Unbuffered: a row that fails to go out (a full disk) is not left in a buffer
-            # for a later flush to write after the next row.
-            self._file = open(self.storage.path(RESULT_JSON), "a+b", buffering=0)
-            _drop_torn_tail(self._file)
-        else:
-            self._file = io.StringIO()
+        rows = self._rows = read_rows(self.storage)
+        self._file = self.storage.appender(RESULT_JSON, initial=lambda: _lines(rows))
 
     def append(self, row: dict) -> None:
-        assert self._rows is not None, "History.open() first"
-        line = json.dumps(row, default=repr) + "\n"
-        if self.storage.is_local:
-            self._write_local(line.encode())
-        else:
-            self._file.write(line)
+        assert self._rows is not None and self._file is not None, "History.open() first"
+        self._file.append(_lines([row]))
         self._rows.append(row)
-
-    def _write_local(self, data: bytes) -> None:
-        start = self._file.seek(0, os.SEEK_END)
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[self._file.write(view):]
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                self._file.truncate(start)  # no half row: the next append starts a line
-            if is_full(e):
-                raise self.storage.full_error(f"writing {RESULT_JSON}", len(data)) from None
-            raise StorageError(f"cannot append to {self.storage.url(RESULT_JSON)!r}: {e}") from None
 
     def sync(self) -> None:
         """Make every appended row durable (before a checkpoint commits, and at attempt end)."""
-        if self.storage.is_local:
-            try:
-                os.fsync(self._file.fileno())
-            except OSError as e:
-                raise StorageError(f"cannot write {self.storage.url(RESULT_JSON)!r}: {e}") from None
-        else:
-            self.storage.write_atomic(RESULT_JSON, "".join(
-                json.dumps(r, default=repr) + "\n" for r in self._rows or []).encode())
+        assert self._file is not None, "History.open() first"
+        self._file.sync()
 
     def close(self) -> None:
         if self._file is not None:
             self.sync()
             write_progress_csv(self.storage, self._rows or [])
-            if self.storage.is_local:
-                self._file.close()
+            self._file.close()
             self._file = None
 
     @property
@@ -112,19 +80,8 @@ class History:
         return list(self._rows or [])
 
 
-def _drop_torn_tail(f: Any) -> None:
-    """Cut a last line that a killed writer left without its newline, so appends start clean."""
-    end = f.seek(0, os.SEEK_END)
-    if end == 0:
-        return
-    f.seek(max(0, end - 65536))
-    tail = f.read()
-    if tail.endswith(b"\n"):
-        return
-    cut = tail.rfind(b"\n")
-    if cut < 0 and end > len(tail):
-        return  # a single line longer than the window: leave it to read_rows to skip
-    f.truncate(end - len(tail) + cut + 1)
+def _lines(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r, default=repr) + "\n" for r in rows).encode()
 
 
 def read_rows(storage: Storage) -> list[dict]:

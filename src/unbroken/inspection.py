@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import posixpath
 import re
 import zlib
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from unbroken import manifest as mf
 from unbroken.errors import RunNotFoundError, TornCheckpointError, UnbrokenError
 from unbroken.lease import live_holder
 from unbroken.restore import PARAMS_JSON
-from unbroken.storage import Storage
+from unbroken.storage import Storage, split_run_url
 from unbroken.tune import sweep
 
 # Checkpoint states.
@@ -201,7 +200,7 @@ def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) ->
 
 def run_name(storage: Storage) -> str:
     """The run's name: its directory's (what `<storage_path>/<name>` and `ls` show)."""
-    return posixpath.basename(storage.root.rstrip("/"))
+    return split_run_url(storage.root)[1]
 
 
 def last_row(storage: Storage) -> dict[str, Any] | None:

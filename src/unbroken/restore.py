@@ -17,34 +17,24 @@ import importlib
 import inspect
 import json
 import logging
-import posixpath
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
 
-from unbroken import __version__
+from unbroken import __version__, opening
 from unbroken.commit import remove_leftovers
 from unbroken.engine import check_can_run
 from unbroken.errors import (
     IdentityMismatchError,
     PickleRefusedError,
     RestoreArgumentError,
-    RunExistsError,
-    RunNotFoundError,
     TrainerClassMismatchError,
     UnknownOverrideError,
     UnsavableArgumentError,
 )
-from unbroken.lease import Lease, live_holder
-from unbroken.manifest import (
-    FINISHED,
-    META_DIR,
-    SCHEMA_VERSION,
-    RunManifest,
-    remove_stale_temps,
-)
+from unbroken.manifest import FINISHED, SCHEMA_VERSION, RunManifest
 from unbroken.manifest import is_run_dir as manifest_exists
 from unbroken.manifest import load as load_manifest
 from unbroken.pickled import (
@@ -432,18 +422,21 @@ def default_name(trainer_class: type) -> str:
     return f"{trainer_class.__name__}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
-def _is_fresh_dir(storage: Storage) -> bool:
-    """Absent, empty, or holding only what a first fit() writes before run.json (it was killed)."""
-    entries = [e for e in storage.listdir() if e != PARAMS_JSON and ".tmp-" not in e]
-    if not entries:
-        return True
-    return entries == [META_DIR] and all(
-        e in ("lease.json", "pickled", "trainer.pkl") or ".tmp-" in e for e in storage.listdir(META_DIR))
-
-
 def restore_hint(trainer_class: type, path: str) -> str:
     return (f"{trainer_class.__name__}.restore({path!r}).fit(), or by running the same script "
             "again with the same RunConfig(name=..., storage_path=...)")
+
+
+# What is particular to runs in opening one (see unbroken.opening). Leftovers: what a torn
+# checkpoint holds is freed before anything else is written.
+RUN = opening.Kind(
+    noun="run", load=load_manifest, first_files=frozenset({PARAMS_JSON}),
+    first_meta=frozenset({"lease.json", "pickled", "trainer.pkl"}),
+    free=lambda storage, manifest: remove_leftovers(storage, manifest.attempt_count))
+
+
+def _new_manifest(name: str) -> RunManifest:
+    return RunManifest(name=name, trainer_class="", trainer_mro=[])  # write_trainer fills it
 
 
 def open_run(trainer: Any) -> tuple[Any, Any]:
@@ -464,46 +457,18 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
     check_can_run(trainer.scaling_config)  # fails now for an engine or GPUs this machine lacks
     saved = encode_trainer(cls, trainer._init_args)  # fails now if an argument cannot be saved
 
-    manifest = None
-    if restored or manifest_exists(storage):
-        manifest = load_manifest(storage)
-        if not restored:
-            if config.resume == "never":
-                raise RunExistsError(
-                    f"a run already exists at {path!r} and RunConfig(resume='never') refuses to "
-                    "continue it. Hint: choose a new name, or use resume='auto' to continue it")
-            check_identity(manifest, cls, trainer._init_args, path)
-        if manifest.status == FINISHED and not trainer._restore_overrides:
-            log.info("run %s already finished; returning its stored result", path)
-            return None, Result.from_path(path, config.storage_filesystem)
-    else:
-        if not _is_fresh_dir(storage):
-            raise RunExistsError(
-                f"{path!r} exists and is not an unbroken run; it is left untouched. "
-                "Hint: choose another RunConfig(name=...) or storage_path")
-        if config.resume == "must":
-            raise RunNotFoundError(f"no run at {path!r} and RunConfig(resume='must') requires one. "
-                                   "Hint: check name and storage_path, or use resume='auto'")
+    manifest = opening.existing(
+        RUN, storage, exists=restored or manifest_exists(storage), restored=restored, resume=config.resume,
+        check_identity=lambda m: check_identity(m, cls, trainer._init_args, path))
+    if manifest is not None and manifest.status == FINISHED and not trainer._restore_overrides:
+        log.info("run %s already finished; returning its stored result", path)
+        return None, Result.from_path(path, config.storage_filesystem)
 
-    if manifest is not None and live_holder(storage) is None:
-        remove_leftovers(storage, manifest.attempt_count)  # frees what a torn checkpoint holds
-    storage.makedirs(META_DIR)
-    lease = Lease(storage)
-    lease.acquire()
-    try:
-        remove_stale_temps(storage)
-        previous = None
-        if manifest is not None:
-            manifest = load_manifest(storage)  # re-read under the lease
-            previous = manifest.to_bytes()
+    with opening.leased(RUN, storage, manifest, _new_manifest) as (lease, manifest, previous):
+        if previous is not None:
             _log_amendments(manifest, saved, path)
-        else:
-            manifest = RunManifest(name=posixpath.basename(path), trainer_class="", trainer_mro=[])
         write_trainer(storage, manifest, saved)
         return Run(storage, manifest, previous, lease, config.checkpoint_config), None
-    except BaseException:
-        lease.release()
-        raise
 
 
 def _log_amendments(manifest: RunManifest, saved: SavedTrainer, path: str) -> None:

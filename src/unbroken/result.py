@@ -49,7 +49,7 @@ class Result:
                 markers[name] = commit.read_marker(storage, name)
             except TornCheckpointError:
                 continue
-        fs = None if storage.is_local else storage.fs
+        fs = storage.filesystem_arg
 
         def handle(name: str) -> Checkpoint:
             return Checkpoint(storage.url(name), fs)

@@ -19,7 +19,7 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -102,6 +102,13 @@ def _local_sum(path: str) -> tuple[int, int]:
     return size, crc
 
 
+def split_run_url(url: str) -> tuple[str, str]:
+    """(storage_path, name) of a run's or a sweep's URL, `<storage_path>/<name>`: what
+    RunConfig(storage_path=..., name=...) takes to address it again."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return url[: -len(name) - 1], name
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -151,6 +158,24 @@ class Storage:
 
     def child(self, rel: str) -> Storage:
         return Storage(self.fs, self.path(rel))
+
+    def local_path(self, rel: str = "") -> str | None:
+        """The path of `rel` on this machine's filesystem, or None on an object store."""
+        return self.path(rel) if self.is_local else None
+
+    @property
+    def filesystem_arg(self) -> fsspec.AbstractFileSystem | None:
+        """What to pass as `filesystem` along with url() so that it opens this storage again
+        (Checkpoint, Result.from_path): None where the path says it all (local), else the
+        filesystem itself, which may carry options the URL lacks."""
+        return None if self.is_local else self.fs
+
+    @property
+    def renames_atomically(self) -> bool:
+        """Whether rename() moves a directory in one atomic step (local filesystems), so that
+        a writer can stage files under a temporary name and rename them into place. On
+        object stores rename is a copy, so writers work in place there."""
+        return self.is_local
 
     # -- retries --------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -324,6 +349,15 @@ class Storage:
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_atomic(rel, json.dumps(obj, indent=1, sort_keys=True, default=repr).encode())
 
+    def appender(self, rel: str, initial: Callable[[], bytes]) -> Appender:
+        """A file of newline-terminated records, opened for appending. Locally the file is
+        appended to in place (a torn last record, left by a killed writer, is cut first);
+        object stores cannot append, so there the whole file is kept in memory, starting
+        from `initial()`, and rewritten by each sync()."""
+        if self.is_local:
+            return _LocalAppender(self, rel)
+        return _RewriteAppender(self, rel, initial())
+
     def put_file(self, local_src: str, rel: str) -> tuple[int, int]:
         """Copy a local file to `rel`, durably; returns its (size, crc32)."""
         if not self.is_local:
@@ -342,20 +376,34 @@ class Storage:
             os.fsync(dst.fileno())
         return size, crc
 
-    def put_files(self, pairs: list[tuple[str, str]]) -> list[tuple[int, int]]:
+    def put_files(self, pairs: list[tuple[str, str]],
+                  after_each: Callable[[], None] | None = None) -> list[tuple[int, int]]:
         """Copy local files to (relative) destinations; returns each one's (size, crc32).
-        On object stores the uploads run concurrently (the filesystem's own batching)."""
+        On object stores the uploads run concurrently (the filesystem's own batching).
+        `after_each` is called after each file is written, locally, and once after the whole
+        batch on object stores."""
         if self.is_local:
-            return [self.put_file(src, rel) for src, rel in pairs]
+            sums = []
+            for src, rel in pairs:
+                sums.append(self.put_file(src, rel))
+                if after_each is not None:
+                    after_each()
+            return sums
         sums = [_local_sum(src) for src, _ in pairs]
         if pairs:
             sources, targets = [src for src, _ in pairs], [self.path(rel) for _, rel in pairs]
             self._call(f"uploading {len(pairs)} file(s) to {posixpath.dirname(pairs[0][1])}",
                        lambda: self.fs.put(sources, targets))
+        if after_each is not None:
+            after_each()
         return sums
 
     def get_file(self, rel: str, local_dst: str) -> None:
+        """Copy `rel` to a local file (creating its directory)."""
         os.makedirs(os.path.dirname(local_dst) or ".", exist_ok=True)
+        if self.is_local:
+            shutil.copyfile(self.path(rel), local_dst)
+            return
         self._call(f"downloading {rel}", lambda: self.fs.get_file(self.path(rel), local_dst))
 
     def rename(self, src_rel: str, dst_rel: str) -> None:
@@ -402,3 +450,80 @@ class Storage:
         base = self.path(rel).rstrip("/") + "/"
         found = self._call(f"listing {rel or '.'}", lambda: self.fs.find(self._fresh(rel)))
         return sorted(p[len(base):] if p.startswith(base) else p for p in found)
+
+
+class Appender(Protocol):
+    """See Storage.appender."""
+
+    def append(self, data: bytes) -> None:
+        """Add one or more whole records (ending in a newline)."""
+
+    def sync(self) -> None:
+        """Make everything appended so far durable."""
+
+    def close(self) -> None:
+        """Release the file (after a last sync() where that is wanted)."""
+
+
+class _LocalAppender:
+    """Unbuffered appends: a record that fails to go out (a full disk) is cut off again, not
+    left half-written, nor in a buffer for a later flush to write after the next record."""
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self._storage, self._rel = storage, rel
+        self._file = open(storage.path(rel), "a+b", buffering=0)
+        _drop_torn_tail(self._file)
+
+    def append(self, data: bytes) -> None:
+        start = self._file.seek(0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self._file.truncate(start)  # no half record: the next append starts a line
+            if is_full(e):
+                raise self._storage.full_error(f"writing {self._rel}", len(data)) from None
+            raise StorageError(f"cannot append to {self._storage.url(self._rel)!r}: {e}") from None
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise StorageError(f"cannot write {self._storage.url(self._rel)!r}: {e}") from None
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _RewriteAppender:
+    """Object stores: the file's bytes, rewritten whole (one put) at each sync()."""
+
+    def __init__(self, storage: Storage, rel: str, initial: bytes) -> None:
+        self._storage, self._rel = storage, rel
+        self._data = bytearray(initial)
+
+    def append(self, data: bytes) -> None:
+        self._data += data
+
+    def sync(self) -> None:
+        self._storage.write_atomic(self._rel, bytes(self._data))
+
+    def close(self) -> None:
+        pass
+
+
+def _drop_torn_tail(f: Any) -> None:
+    """Cut a last line that a killed writer left without its newline, so appends start clean."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return
+    f.seek(max(0, end - 65536))
+    tail = f.read()
+    if tail.endswith(b"\n"):
+        return
+    cut = tail.rfind(b"\n")
+    if cut < 0 and end > len(tail):
+        return  # a single line longer than the window: leave it to the reader to skip
+    f.truncate(end - len(tail) + cut + 1)

@@ -18,8 +18,9 @@ from unbroken.config import RunConfig, ScalingConfig
 from unbroken.controller import Controller
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.pickled import SavedPickles
+from unbroken.progress import ProgressReporter
 from unbroken.result import Result
-from unbroken.storage import Storage
+from unbroken.storage import Storage, split_run_url
 
 log = logging.getLogger("unbroken")
 
@@ -67,7 +68,7 @@ class BaseTrainer:
 
         Raises TrainingFailedError (with the restore call in its message) when it cannot finish.
         """
-        callbacks = CallbackList.for_config(self.run_config)  # checks them before anything is written
+        callbacks = _callbacks(self.run_config)  # checks them before anything is written
         run, finished = rs.open_run(self)
         if finished is not None:
             return finished
@@ -99,9 +100,8 @@ class BaseTrainer:
         target = rs.resolve_class(pickles, manifest, cls, url)
         args = rs.load_init_args(pickles, manifest, target, overrides, url)
         saved_config = args.get("run_config") or RunConfig()
-        name = url.rstrip("/").rsplit("/", 1)[-1]
-        args["run_config"] = dataclasses.replace(saved_config, name=name,
-                                                 storage_path=url[: -len(name) - 1])
+        storage_path, name = split_run_url(url)
+        args["run_config"] = dataclasses.replace(saved_config, name=name, storage_path=storage_path)
         trainer = target(**args)
         trainer._init_args.update({"run_config": saved_config})
         trainer._restored_from = url
@@ -148,6 +148,14 @@ class DataParallelTrainer(BaseTrainer):
 
     def _backend(self) -> Backend:
         return self.backend_config.make_backend() if self.backend_config is not None else Backend()
+
+
+def _callbacks(run_config: RunConfig) -> CallbackList:
+    """The user's callbacks plus the progress display that `run_config.verbose` asks for."""
+    callbacks = list(run_config.callbacks or [])
+    if run_config.verbose >= 1:
+        callbacks.append(ProgressReporter(run_config))
+    return CallbackList(callbacks)
 
 
 def _check_type(name: str, value: Any, kind: type) -> Any:

@@ -39,7 +39,7 @@ def trial_result(storage: Storage, record: TrialRecord, config: dict[str, Any] |
     base: Result | None = None
     if mf.is_run_dir(path):
         try:
-            base = Result.from_path(path.url(), None if storage.is_local else storage.fs)
+            base = Result.from_path(path.url(), path.filesystem_arg)
         except (UnbrokenError, OSError, ValueError):
             base = None
     if base is None:

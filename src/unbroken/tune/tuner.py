@@ -21,12 +21,11 @@ import dataclasses
 import json
 import logging
 import os
-import posixpath
 import random
 import time
 from typing import Any
 
-from unbroken import __version__
+from unbroken import __version__, opening
 from unbroken import manifest as mf
 from unbroken import restore as rs
 from unbroken.config import RunConfig
@@ -39,9 +38,8 @@ from unbroken.errors import (
     SweepMismatchError,
     TrainerClassMismatchError,
 )
-from unbroken.lease import Lease
 from unbroken.pickled import SavedPickles, pickled_files, refuse_pickles, write_pickles
-from unbroken.storage import Storage
+from unbroken.storage import Storage, split_run_url
 from unbroken.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
 from unbroken.tune import sweep as sw
@@ -56,7 +54,9 @@ from unbroken.tune.tune_config import TuneConfig
 
 log = logging.getLogger("unbroken")
 
-_FRESH_META = ("lease.json", "pickled", "tuner.pkl", "trainer.pkl")
+# What is particular to sweeps in opening one (see unbroken.opening).
+SWEEP = opening.Kind(noun="sweep", load=sw.load, first_files=frozenset(),
+                     first_meta=frozenset({"lease.json", "pickled", "tuner.pkl", "trainer.pkl"}))
 
 
 class Tuner:
@@ -149,41 +149,18 @@ class Tuner:
         self._searcher.check(storage, self.metric, self.mode)
         identity = self._identity()
 
-        manifest = None
-        if sw.is_sweep_dir(storage):
-            manifest = sw.load(storage)
-            if not restored:
-                if rc.resume == "never":
-                    raise RunExistsError(
-                        f"a sweep already exists at {path!r} and RunConfig(resume='never') refuses to "
-                        "continue it. Hint: choose a new name, or use resume='auto' to continue it")
-                _check_identity(manifest, identity, path)
-            if self._nothing_to_do(storage, manifest, total):
-                log.info("sweep %s has nothing left to run; returning its stored results", path)
-                return None
-        else:
-            if mf.is_run_dir(storage):
-                raise RunExistsError(f"{path!r} is a single run, not a sweep; it is left untouched. "
-                                     "Hint: give the Tuner's RunConfig another name")
-            if not _is_fresh_dir(storage):
-                raise RunExistsError(f"{path!r} exists and is not an unbroken sweep; it is left untouched. "
-                                     "Hint: choose another RunConfig(name=...) or storage_path")
-            if rc.resume == "must":
-                raise RunNotFoundError(f"no sweep at {path!r} and RunConfig(resume='must') requires one. "
-                                       "Hint: check name and storage_path, or use resume='auto'")
+        exists = sw.is_sweep_dir(storage)
+        if not exists and mf.is_run_dir(storage):
+            raise RunExistsError(f"{path!r} is a single run, not a sweep; it is left untouched. "
+                                 "Hint: give the Tuner's RunConfig another name")
+        manifest = opening.existing(SWEEP, storage, exists=exists, restored=restored, resume=rc.resume,
+                                    check_identity=lambda m: _check_identity(m, identity, path))
+        if manifest is not None and self._nothing_to_do(storage, manifest, total):
+            log.info("sweep %s has nothing left to run; returning its stored results", path)
+            return None
 
-        storage.makedirs(mf.META_DIR)
-        lease = Lease(storage)
-        lease.acquire()
-        try:
-            mf.remove_stale_temps(storage)
-            previous = None
-            if manifest is not None:
-                manifest = sw.load(storage)  # again, under the lease
-                previous = manifest.to_bytes()
-            else:
-                seed, given = self._seed()
-                manifest = sw.SweepManifest(name=posixpath.basename(path), seed=seed, seed_given=given)
+        with opening.leased(SWEEP, storage, manifest, self._new_manifest,
+                            on_failure=self._searcher.close) as (lease, manifest, previous):
             _write(storage, manifest, saved)
             manifest.identity = identity
             manifest.searcher = self._searcher.describe()
@@ -198,10 +175,10 @@ class Tuner:
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)
             return driver
-        except BaseException:
-            self._searcher.close()
-            lease.release()
-            raise
+
+    def _new_manifest(self, name: str) -> sw.SweepManifest:
+        seed, given = self._seed()
+        return sw.SweepManifest(name=name, seed=seed, seed_given=given)
 
     def _nothing_to_do(self, storage: Storage, manifest: sw.SweepManifest, total: int) -> bool:
         """True if fit() has no trial to run and nothing to record, whatever the flags. Decided
@@ -309,8 +286,8 @@ class Tuner:
         rc = run_config if run_config is not None else (loader.run_config() or RunConfig())
         if not isinstance(rc, RunConfig):
             raise TypeError(f"run_config must be a RunConfig, got {type(rc).__name__}")
-        name = url.rstrip("/").rsplit("/", 1)[-1]
-        rc = dataclasses.replace(rc, name=name, storage_path=url[: -len(name) - 1],
+        storage_path, name = split_run_url(url)
+        rc = dataclasses.replace(rc, name=name, storage_path=storage_path,
                                  storage_filesystem=storage_filesystem or rc.storage_filesystem)
         tuner = cls(trainable, param_space=space, tune_config=tc, run_config=rc)
         tuner._restored_from = url
@@ -424,15 +401,6 @@ def _write(storage: Storage, manifest: sw.SweepManifest, saved: _Encoded) -> Non
 def _shape(space: dict[str, Any]) -> dict[str, Any]:
     """The param_space's shape (search_space.shape) as it reads back from JSON."""
     return json.loads(json.dumps(ss.shape(space), default=repr))
-
-
-def _is_fresh_dir(storage: Storage) -> bool:
-    """Absent, empty, or holding only what a first fit() writes before sweep.json (it was killed)."""
-    entries = [e for e in storage.listdir() if ".tmp-" not in e]
-    if not entries:
-        return True
-    return entries == [mf.META_DIR] and all(
-        e in _FRESH_META or ".tmp-" in e for e in storage.listdir(mf.META_DIR))
 
 
 # -- loading it back ------------------------------------------------------------------------------
