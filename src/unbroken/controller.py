@@ -40,6 +40,7 @@ from unbroken.protocol import Done, Failed, Rendezvous, Reply, Report
 from unbroken.report_rounds import ReportRounds
 from unbroken.run import Run
 from unbroken.session import WorkerInfo
+from unbroken.storage import split_run_url
 
 log = logging.getLogger("unbroken")
 
@@ -168,8 +169,7 @@ class Controller:
         run, scaling = self.run, self.scaling
         checkpoint = None
         if resume is not None:
-            checkpoint = Checkpoint(run.storage.url(resume.name),
-                                    None if run.storage.is_local else run.storage.fs)
+            checkpoint = Checkpoint(run.storage.url(resume.name), run.storage.filesystem_arg)
         elif self.trainer.resume_from_checkpoint is not None:
             checkpoint = self.trainer.resume_from_checkpoint
         info = WorkerInfo(
@@ -177,7 +177,7 @@ class Controller:
             local_world_size=placement.local_world_size, node_rank=placement.node_rank,
             experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
             attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
-            checkpoint=checkpoint, storage_path=run.storage.url().rsplit("/", 1)[0],
+            checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
             cpus=scaling.cpus_per_worker(), use_gpu=scaling.use_gpu,
             **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
         return WorkerPayload(info=info, trainer=self._worker_trainer)
