@@ -1,10 +1,11 @@
 """The messages between the driver and its workers, and between a sweep driver and its trials.
 
-Small frozen records, the same on every engine. A worker sends `Report`s, rank 0 one
+Small records (treat them as immutable), the same on every engine. A worker sends `Report`s, rank 0 one
 `Rendezvous` during set-up, and ends with `Done` or `Failed`; the driver answers every
 complete round with a `Reply` and forwards rank 0's `Rendezvous` to the other ranks. A
 trial's process ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message
-travels (a pipe, a socket) is the engine's business; what it means is here.
+travels (a pipe, a socket) is the engine's business; what it means is here, and `to_wire` /
+`from_wire` give an engine a cheap form to send.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Union
 from unbroken.commit import FileEntry
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Report:
     """A rank's report N: its metrics, and the files it staged for checkpoint N (if any)."""
 
@@ -24,7 +25,7 @@ class Report:
     files: list[FileEntry] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reply:
     """The driver's answer to a complete round, the same for every rank: stop at the next
     report, and/or checkpoint at it (a preemption)."""
@@ -33,21 +34,21 @@ class Reply:
     checkpoint: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Rendezvous:
     """A value rank 0 shares with every rank during set-up (e.g. the process group's port)."""
 
     value: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Done:
     """The worker's loop ended normally after `reports` reports."""
 
     reports: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Failed:
     """The worker's loop raised: the traceback text and the cloudpickled exception (None when
     it does not pickle)."""
@@ -60,21 +61,21 @@ WorkerMessage = Union[Report, Rendezvous, Done, Failed]
 Outcome = Union[Done, Failed]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TrialDone:
     """A trial's run ended with this run status (FINISHED, or ERRORED within the run)."""
 
     status: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TrialInterrupted:
     """A trial's run was interrupted by a signal; `reason` is the first line of the error."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TrialFailed:
     """A trial's process raised: the exception's type name, a one-line summary, the traceback."""
 
@@ -84,3 +85,21 @@ class TrialFailed:
 
 
 TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
+
+
+# -- on the wire --------------------------------------------------------------------------------
+_KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
+                            TrialFailed)
+_TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
+
+
+def to_wire(message: Any) -> tuple:
+    """The message as a plain tuple (its kind's tag, then its fields): an engine that pickles
+    messages sends this, because pickling a class reference costs more than the rest of a
+    report (it imports the module by name on every dump)."""
+    return (_TAG[type(message)], *map(message.__getattribute__, message.__slots__))
+
+
+def from_wire(data: tuple) -> Any:
+    """The message `to_wire` made `data` from."""
+    return _KINDS[data[0]](*data[1:])

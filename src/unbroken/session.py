@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from unbroken.engine.base import Channel
 
 
+NO_REPLY = Reply()
+
+
 class StopTraining(BaseException):
     """Raised inside a worker's loop at a report when the driver stops the run.
 
@@ -124,7 +127,7 @@ class Session:
         self.iteration = info.start_iteration
         self.reports = 0
         self._awaiting_reply = False
-        self._reply = Reply()  # the latest reply taken (a fresh one between report and reply)
+        self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self.context = TrainContext(info, self)
 
     def _take_reply(self) -> None:
@@ -161,7 +164,7 @@ class Session:
         self.iteration = iteration
         self.reports += 1
         self._awaiting_reply = True
-        self._reply = Reply()
+        self._reply = NO_REPLY
         if asked:
             # The driver asked for this checkpoint (preemption): take its verdict now, so that a
             # stop ends the loop right after the commit instead of after one more iteration.

@@ -24,7 +24,7 @@ from unbroken.engine.base import Event, Placement, Wakeup
 from unbroken.engine.process import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.engine.worker import WorkerPayload, run_worker
 from unbroken.errors import WorkerDied
-from unbroken.protocol import Done
+from unbroken.protocol import Done, from_wire, to_wire
 
 # Python threads that survive a fork harmlessly: fsspec's event-loop thread for async
 # filesystems (s3fs, gcsfs) and that loop's executor threads (DNS lookups) are idle between
@@ -93,13 +93,27 @@ def _died(rank: int, exitcode: int | None) -> WorkerDied:
     return WorkerDied(rank, exit_code=exitcode)
 
 
+class PipeChannel:
+    """A local worker's `Channel`: its end of the pipe to the driver, carrying messages as
+    plain tuples (`protocol.to_wire`)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def send(self, message: Any) -> None:
+        self.conn.send(to_wire(message))
+
+    def recv(self) -> Any:
+        return from_wire(self.conn.recv())
+
+
 def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     """A local worker process: the process-level part around the engine-neutral `run_worker`.
     It ignores terminal signals (the driver coordinates), dies with its parent, and exits
     without running the driver's atexit handlers it inherited through fork."""
     ignore_terminal_signals()
     die_with_parent(parent_pid)
-    outcome = run_worker(payload.obj, conn)
+    outcome = run_worker(payload.obj, PipeChannel(conn))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if isinstance(outcome, Done) else 1)
@@ -138,7 +152,7 @@ class LocalWorkerGroup:
 
     def send(self, rank: int, message: Any) -> None:
         try:
-            self.conns[rank].send(message)
+            self.conns[rank].send(to_wire(message))
         except (BrokenPipeError, ConnectionResetError):
             pass  # its death is reported by poll()
 
@@ -170,7 +184,7 @@ class LocalWorkerGroup:
         conn, out = self.conns[rank], []
         try:
             while conn.poll():
-                out.append((rank, conn.recv()))
+                out.append((rank, from_wire(conn.recv())))
         except (EOFError, OSError):
             if conn.fileno() in self._selector.get_map():
                 self._selector.unregister(conn)
