@@ -1,11 +1,11 @@
 """The messages between the driver and its workers, and between a sweep driver and its trials.
 
-Small records (treat them as immutable), the same on every engine. A worker sends `Report`s, rank 0 one
-`Rendezvous` during set-up, and ends with `Done` or `Failed`; the driver answers every
-complete round with a `Reply` and forwards rank 0's `Rendezvous` to the other ranks. A
-trial's process ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message
-travels (a pipe, a socket) is the engine's business; what it means is here, and `to_wire` /
-`from_wire` give an engine a cheap form to send.
+Small records (treat them as immutable), the same on every engine. A worker sends
+`Report`s, rank 0 one `Rendezvous` during set-up, and ends with `Done` or `Failed`; the
+driver answers every complete round with a `Reply` and forwards rank 0's `Rendezvous` to
+the other ranks. A trial's process ends with `TrialDone`, `TrialInterrupted` or
+`TrialFailed`. How a message travels (a pipe, a socket) is the engine's business; what it
+means is here, and `to_wire` / `from_wire` give an engine a cheap form to send.
 """
 
 from __future__ import annotations
