@@ -222,9 +222,10 @@ class Controller:
     def _take_signals(self, seen: int) -> int:
         """React to SIGTERM/SIGINT received since `seen` of them: the first asks for a
         checkpoint and a stop (STOPPING), another one stops at once. Returns the count."""
-        if self.interrupts.count <= seen:
+        count = self.interrupts.count  # once: another signal may land while this one is logged
+        if count <= seen:
             return seen
-        if self.interrupts.count > 1 or self.state is ControllerState.STOPPING:
+        if count > 1 or self.state is ControllerState.STOPPING:
             log.warning("run %s: %s again: stopping the workers now", self.run.path,
                         self.interrupts.signal_name)
             self.state = ControllerState.INTERRUPTED
@@ -232,7 +233,7 @@ class Controller:
         self.state = ControllerState.STOPPING
         log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
                     "(send it again to stop at once)", self.run.path, self.interrupts.signal_name)
-        return self.interrupts.count
+        return count
 
     def _take(self, group: WorkerGroup, rounds: ReportRounds, failures: list[tuple[int, BaseException]],
               rank: int, message: Any) -> None:
