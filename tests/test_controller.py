@@ -137,3 +137,29 @@ def test_a_preemption_asks_for_a_checkpoint_at_the_next_report_then_stops(storag
     assert replies[-2:] == [(True, False), (False, True)], replies
     assert h.manifest()["status"] == "INTERRUPTED"
     assert [r["training_iteration"] for r in h.rows()] == [1, 2, 3]
+
+
+def test_a_second_signal_while_the_first_is_being_logged_stops_at_once(storage):
+    """The second SIGTERM lands while the controller is still logging the first one (a user
+    pressing twice, a scheduler's repeat): it must not be taken for the first."""
+    import logging
+    import signal as signals
+
+    class SecondSignal(logging.Handler):
+        def emit(self, record):
+            if "SIGTERM received" in record.getMessage():
+                os.kill(os.getpid(), signals.SIGTERM)
+
+    handler = SecondSignal()
+    logging.getLogger("unbroken").addHandler(handler)
+    try:
+        # Rank 0 never reaches the report the first signal asks a checkpoint at.
+        h = Harness(storage, [[[report(checkpoint=True), SIGTERM_DRIVER, HANG], [report(), report()]]],
+                    hang_timeout_s=2)  # a swallowed second signal would wait for the hang
+        with pytest.raises(TrainingInterruptedError) as info:
+            h.execute()
+    finally:
+        logging.getLogger("unbroken").removeHandler(handler)
+    assert "checkpoint_000001" in str(info.value)
+    assert h.groups[0].shut_down is True, "the second signal kills the group at once"
+    assert h.manifest()["status"] == "INTERRUPTED"
