@@ -1,0 +1,75 @@
+"""unbroken.train.collective (Ray Train V2's barrier and broadcast_from_rank_zero) on real
+worker processes over a real gloo process group."""
+
+import os
+import time
+
+import pytest
+
+from unbroken import train
+from unbroken.train import DataParallelTrainer, RunConfig, ScalingConfig, TrainingFailedError
+from unbroken.train.collective import barrier, broadcast_from_rank_zero
+from unbroken.train.torch import TorchTrainer
+
+
+def collective_loop(config):
+    rank = train.get_context().get_world_rank()
+    world = train.get_context().get_world_size()
+    # Rank 0's value reaches every rank; the others' are ignored.
+    got = broadcast_from_rank_zero({"seed": 1234, "from": rank} if rank == 0 else None)
+    # A barrier holds every rank until the slowest one arrives.
+    if rank == world - 1:
+        time.sleep(0.3)  # the slow rank: without a real barrier the others would not wait
+    with open(os.path.join(config["out"], f"arrived-{rank}"), "w"):
+        pass
+    barrier()
+    arrived = sorted(f for f in os.listdir(config["out"]) if f.startswith("arrived-"))
+    train.report({"got": got, "arrived": arrived})
+
+
+def test_broadcast_and_barrier_across_three_workers(storage, tmp_path):
+    result = TorchTrainer(collective_loop, train_loop_config={"out": str(tmp_path)},
+                          scaling_config=ScalingConfig(num_workers=3),
+                          run_config=RunConfig(name="collective", storage_path=storage)).fit()
+    assert result.metrics["got"] == {"seed": 1234, "from": 0}
+    assert result.metrics["arrived"] == ["arrived-0", "arrived-1", "arrived-2"]
+
+
+def unpicklable_loop(config):
+    rank = train.get_context().get_world_rank()
+    broadcast_from_rank_zero((lambda: 1) if rank == 0 else None)
+    train.report({"unreachable": True})
+
+
+def test_unpicklable_data_fails_every_rank_instead_of_hanging(storage):
+    with pytest.raises(TrainingFailedError) as info:
+        TorchTrainer(unpicklable_loop, scaling_config=ScalingConfig(num_workers=2),
+                     run_config=RunConfig(name="unpicklable", storage_path=storage)).fit()
+    cause = info.value.__cause__
+    assert isinstance(cause, TypeError) and "cannot be pickled" in str(cause) and "Hint" in str(cause)
+
+
+def one_worker_loop(config):
+    barrier()
+    train.report({"got": broadcast_from_rank_zero(7)})
+
+
+def no_process_group_loop(config):
+    broadcast_from_rank_zero(1)
+
+
+def test_one_worker_needs_no_process_group_and_two_without_one_get_a_hint(storage):
+    one = DataParallelTrainer(one_worker_loop, run_config=RunConfig(name="one", storage_path=storage)).fit()
+    assert one.metrics["got"] == 7
+    with pytest.raises(TrainingFailedError) as info:
+        DataParallelTrainer(no_process_group_loop, scaling_config=ScalingConfig(num_workers=2),
+                            run_config=RunConfig(name="two", storage_path=storage)).fit()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "TorchTrainer" in str(info.value.__cause__)
+
+
+def test_outside_a_training_function_it_says_where_to_call_it():
+    with pytest.raises(RuntimeError, match="inside a training function"):
+        barrier()
+    with pytest.raises(RuntimeError, match="inside a training function"):
+        broadcast_from_rank_zero(1)
