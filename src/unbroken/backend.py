@@ -8,13 +8,13 @@ from typing import Any
 
 from unbroken.session import Session
 
-Rendezvous = Callable[[Any], Any]
+RendezvousFn = Callable[[Any], Any]  # rank 0's value on every rank
 
 
 class Backend:
     """No framework set-up (DataParallelTrainer without a backend_config)."""
 
-    def on_start(self, session: Session, rendezvous: Rendezvous) -> None:
+    def on_start(self, session: Session, rendezvous: RendezvousFn) -> None:
         """Runs in each worker before the loop. `rendezvous(value)` returns rank 0's value on every rank."""
 
     def on_shutdown(self, session: Session) -> None:

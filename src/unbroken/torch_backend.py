@@ -24,7 +24,7 @@ from torch.utils.data import (
 )
 
 from unbroken import session as session_mod
-from unbroken.backend import Backend, Rendezvous
+from unbroken.backend import Backend, RendezvousFn
 from unbroken.sample_seed import KeyedSampler, SeededDataset, sample_seed
 from unbroken.sampler import ResumableSampler
 from unbroken.session import Session
@@ -49,7 +49,7 @@ class TorchBackend(Backend):
     def __init__(self, config: TorchConfig) -> None:
         self.config = config
 
-    def on_start(self, session: Session, rendezvous: Rendezvous) -> None:
+    def on_start(self, session: Session, rendezvous: RendezvousFn) -> None:
         info = session.info
         if info.use_gpu and torch.cuda.is_available():
             torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
