@@ -11,8 +11,8 @@ next to it in the other tests.
 from __future__ import annotations
 
 import os
+import select
 import signal
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,8 +127,11 @@ class FakeWorkerGroup:
                 continue
             last = self.payloads[rank].info.start_iteration + fake.reports
             events.extend((rank, m) for m in fake.step(last))
-        if not events:
-            time.sleep(min(timeout, 0.01))  # nothing will happen: a real poll would wait
+        if not events and wake is not None:
+            # Nothing more comes from the scripted ranks: wait, as a real poll does, for the
+            # only event left (a signal waking the driver) or the timeout.
+            if select.select([wake], [], [], timeout)[0]:
+                wake.drain()
         return events
 
     def send(self, rank: int, message: Any) -> None:

@@ -6,7 +6,6 @@ import os
 import signal
 import tempfile
 import threading
-import time
 
 import torch
 
@@ -245,7 +244,7 @@ def exact_loop(config: dict) -> None:
 def report_then_die(config: dict) -> None:
     """Every rank reports iteration 1 with a checkpoint file of its own; then the ranks in
     `dying` die (`how`: raise|exit|sigkill) in attempt 1 while the others report once more.
-    With `lag_s` the others take that much longer to reach their report.
+    With `death_fifo` (one dying rank), the others report only once it has died.
     A later attempt checks it resumed from iteration 1 and reports iteration 2."""
     ctx = train.get_context()
     rank = ctx.get_world_rank()
@@ -259,12 +258,25 @@ def report_then_die(config: dict) -> None:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, f"rank{rank}.txt"), "w") as f:
             f.write("1")
-        if rank not in config["dying"]:
-            time.sleep(config.get("lag_s", 0))  # a slower rank: still writing its files
+        if config.get("death_fifo"):
+            _after_the_dying_ranks(config["death_fifo"], rank in config["dying"])
         train.report({"it": 1}, checkpoint=Checkpoint.from_directory(d))
     if rank in config["dying"]:
         _die(config["how"], 1)
     train.report({"it": 2})
+
+
+_HELD: list = []  # a dying rank's end of the FIFO, open until its process ends
+
+
+def _after_the_dying_ranks(fifo: str, dying: bool) -> None:
+    """A dying rank holds the FIFO open for writing until its process ends (by any death:
+    the kernel closes its files); the others read it to the end, which comes at that moment."""
+    if dying:
+        _HELD.append(open(fifo, "w"))
+    else:
+        with open(fifo) as f:
+            f.read()
 
 
 def big_checkpoint_loop(config: dict) -> None:

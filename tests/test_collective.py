@@ -2,7 +2,6 @@
 worker processes over a real gloo process group."""
 
 import os
-import time
 
 import pytest
 
@@ -14,12 +13,8 @@ from unbroken.train.torch import TorchTrainer
 
 def collective_loop(config):
     rank = train.get_context().get_world_rank()
-    world = train.get_context().get_world_size()
     # Rank 0's value reaches every rank; the others' are ignored.
     got = broadcast_from_rank_zero({"seed": 1234, "from": rank} if rank == 0 else None)
-    # A barrier holds every rank until the slowest one arrives.
-    if rank == world - 1:
-        time.sleep(0.3)  # the slow rank: without a real barrier the others would not wait
     with open(os.path.join(config["out"], f"arrived-{rank}"), "w"):
         pass
     barrier()
@@ -33,6 +28,32 @@ def test_broadcast_and_barrier_across_three_workers(storage, tmp_path):
                           run_config=RunConfig(name="collective", storage_path=storage)).fit()
     assert result.metrics["got"] == {"seed": 1234, "from": 0}
     assert result.metrics["arrived"] == ["arrived-0", "arrived-1", "arrived-2"]
+
+
+def missing_rank_loop(config):
+    """Every rank but the last reaches the barrier; the last one leaves once they are about
+    to enter it (each holds a FIFO open until then), without calling it."""
+    ctx = train.get_context()
+    rank, last = ctx.get_world_rank(), ctx.get_world_size() - 1
+    if rank == last:
+        for other in range(last):
+            with open(os.path.join(config["out"], f"entering-{other}")) as f:
+                f.read()  # returns once rank `other` has closed its end, right before barrier()
+        raise RuntimeError("the last rank leaves without the barrier")
+    with open(os.path.join(config["out"], f"entering-{rank}"), "w"):
+        pass
+    barrier()
+    open(os.path.join(config["out"], f"passed-{rank}"), "w").close()
+
+
+def test_no_rank_passes_a_barrier_that_a_rank_never_reaches(storage, tmp_path):
+    for rank in range(2):
+        os.mkfifo(tmp_path / f"entering-{rank}")
+    with pytest.raises(TrainingFailedError):
+        TorchTrainer(missing_rank_loop, train_loop_config={"out": str(tmp_path)},
+                     scaling_config=ScalingConfig(num_workers=3),
+                     run_config=RunConfig(name="missing", storage_path=storage)).fit()
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("passed-")]
 
 
 def unpicklable_loop(config):

@@ -74,6 +74,17 @@ def marker(tmp_path):
     return path, planted
 
 
+def assert_reads_planted(path, planted, marker_path, restore):
+    """Control: `restore()`, which must load the stored arguments, reads the planted files
+    (so the test's "never unpickled" checks can fail)."""
+    plant(path, planted)
+    try:
+        restore()
+    except Exception:  # noqa: BLE001 - what was unpickled is a file object, not what was saved
+        pass
+    assert marker_path.exists(), "restore did not read the planted files: the test proves nothing"
+
+
 def plant(root, planted, extra=("trainer.pkl", "tuner.pkl", "pickled/__trainer_class__.pkl")):
     """Overwrite every non-JSON file under every .unbroken/ below `root` with `planted`, and add
     `extra` files (other places a reader could look) there. Returns the files overwritten."""
@@ -179,12 +190,7 @@ def test_readers_never_unpickle_and_allow_pickle_false_refuses(storage, marker):
     assert not marker_path.exists()
 
     # Control: a restore that must load the stored arguments reads exactly the planted files.
-    plant(path, planted)
-    try:
-        DataParallelTrainer.restore(path)
-    except Exception:  # noqa: BLE001 - what was unpickled is a file object, not a function
-        pass
-    assert marker_path.exists(), "restore did not read the planted files: the test proves nothing"
+    assert_reads_planted(path, planted, marker_path, lambda: DataParallelTrainer.restore(path))
 
 
 def test_auto_resume_never_unpickles(storage, marker):
@@ -258,12 +264,7 @@ def test_sweep_readers_and_restore_never_unpickle(storage, tmp_path, marker):
     assert not marker_path.exists()
 
     # Control: restoring without re-specifying reads the planted files.
-    plant(path, planted)
-    try:
-        Tuner.restore(path)
-    except Exception:  # noqa: BLE001 - what was unpickled is a file object, not a trainable
-        pass
-    assert marker_path.exists(), "Tuner.restore did not read the planted files: the test proves nothing"
+    assert_reads_planted(path, planted, marker_path, lambda: Tuner.restore(path))
 
 
 def test_a_changed_param_space_shape_is_refused_without_unpickling(storage, tmp_path, marker):

@@ -473,19 +473,20 @@ class _LocalAppender:
         self._storage, self._rel = storage, rel
         self._file = open(storage.path(rel), "a+b", buffering=0)
         _drop_torn_tail(self._file)
+        self._end = self._file.seek(0, os.SEEK_END)  # this writer is the file's only one
 
     def append(self, data: bytes) -> None:
-        start = self._file.seek(0, os.SEEK_END)
         view = memoryview(data)
         try:
             while view:
                 view = view[self._file.write(view):]
         except OSError as e:
             with contextlib.suppress(OSError):
-                self._file.truncate(start)  # no half record: the next append starts a line
+                self._file.truncate(self._end)  # no half record: the next append starts a line
             if is_full(e):
                 raise self._storage.full_error(f"writing {self._rel}", len(data)) from None
             raise StorageError(f"cannot append to {self._storage.url(self._rel)!r}: {e}") from None
+        self._end += len(data)
 
     def sync(self) -> None:
         try:
