@@ -340,10 +340,14 @@ class Harness:
         committed when it carried a checkpoint."""
         iteration = (commit.iteration_of(before) if before else 0) + int(fault.split(":")[1])
         attempt = attempts_before + 1
-        rows = [r for r in read_rows(Storage.from_url(path)) if r.get("attempt") == attempt]
+        every = read_rows(Storage.from_url(path))
+        rows = [r for r in every if r.get("attempt") == attempt]
         if iteration not in [r["training_iteration"] for r in rows]:
+            seen = [(r.get("attempt"), r.get("training_iteration")) for r in every]
             self.violations.append(f"{where}: every rank reported iteration {iteration} and then "
-                                   f"died ({fault}), but its row was lost")
+                                   f"died ({fault}), but its row was lost (expected in attempt "
+                                   f"{attempt}; rows as (attempt, iteration): {seen}; run.json has "
+                                   f"{_attempt_count(path)} attempts)")
         committed = newest_committed(path, self.violations)
         if iteration % CKPT_EVERY == 0 and committed != commit.checkpoint_name(iteration):
             self.violations.append(f"{where}: every rank reported iteration {iteration} with a "
