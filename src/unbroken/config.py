@@ -8,22 +8,35 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 ENGINES = ("auto", "local", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
 class ScalingConfig:
-    """How many workers run the training loop, and where."""
+    """How many workers run the training loop, and where.
+
+    `engine`: "local" runs the workers as processes on this machine; "ray" runs them as
+    actors of a Ray cluster; "auto" picks Ray when RAY_ADDRESS is set or the driver already
+    called `ray.init()`, else local. `placement_strategy` and `accelerator_type` mean what
+    they mean in Ray (a placement group's strategy; a node's accelerator type) and are
+    accepted but have no effect on the local engine, where every rank is on this machine.
+    """
 
     num_workers: int = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
     engine: Literal["auto", "local", "ray"] = "auto"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    accelerator_type: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"ScalingConfig.num_workers must be an int >= 1, got {self.num_workers!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"ScalingConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"ScalingConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                             f"got {self.placement_strategy!r}")
 
     def cpus_per_worker(self) -> int:
         """Intra-op threads each worker gets: its CPU resources, or an even share of this machine."""
