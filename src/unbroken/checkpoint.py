@@ -70,6 +70,18 @@ class Checkpoint:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def to_state_dict(self) -> dict[str, Any]:
+        """The whole state of a TrainState checkpoint, in this process, by name: {"model":
+        state_dict, "optimizer": ..., "scheduler": ..., "loader": ..., <extras>} (the random
+        generators left out). A sharded checkpoint (FSDP2, tensor parallel) is gathered from
+        every rank's shards, with no process group: for evaluating or exporting a model in one
+        plain process, `model.load_state_dict(checkpoint.to_state_dict()["model"])`. It needs
+        memory for the whole model. See docs/large-models.md."""
+        from unbroken.train_state import load_full_state
+
+        with self.as_directory() as d:
+            return load_full_state(d)
+
     def get_metadata(self) -> dict[str, Any]:
         """User metadata stored with the checkpoint ({} if none)."""
         try:

@@ -18,6 +18,10 @@ A checkpoint written by `report` (or `save`) holds, in one directory:
 
 Both load with `torch.load(..., weights_only=True)`: RNG states are stored as tensors, ints
 and tuples, never as pickled objects.
+
+A sharded model (FSDP2, tensor parallelism: its parameters are DTensors) and its optimizer are
+saved through torch.distributed.checkpoint instead (`unbroken.sharded`): every rank writes its
+shards into `dcp-a<attempt>/`, and `train_state.pt` holds the rest and names that directory.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -46,6 +51,9 @@ except ImportError:  # pragma: no cover - numpy is optional
 logger = logging.getLogger("unbroken")
 
 FORMAT_VERSION = 1
+# train_state.pt of a checkpoint whose model and optimizer were saved sharded (an older
+# unbroken refuses it instead of loading a state without its model).
+SHARDED_FORMAT_VERSION = 2
 STATE_FILE = "train_state.pt"
 COMPONENTS = ("model", "optimizer", "scheduler", "loader")
 
@@ -58,6 +66,17 @@ _LOADABLE_SCALARS = _PLAIN_SCALARS + (torch.Size, torch.dtype, torch.device)
 def rng_file(rank: int) -> str:
     """The name of rank `rank`'s RNG file in a TrainState checkpoint."""
     return f"rng_rank{rank}.pt"
+
+
+def is_sharded(model: Any) -> bool:
+    """True when `model` holds sharded parameters (DTensor: FSDP2, tensor parallelism).
+
+    Without importing torch.distributed.tensor (a second to import): no DTensor exists
+    until something imported it."""
+    tensor_mod = sys.modules.get("torch.distributed.tensor")
+    if tensor_mod is None or not isinstance(model, torch.nn.Module):
+        return False
+    return any(isinstance(p, tensor_mod.DTensor) for p in model.parameters())
 
 
 def _unwrap(model: Any) -> Any:
@@ -77,7 +96,12 @@ def _is_stateful(obj: Any) -> bool:
 
 def _plain_problem(value: Any, where: str, scalars: tuple[type, ...] = _PLAIN_SCALARS) -> str | None:
     """None if `value` loads back as itself with torch.load(weights_only=True); else what is wrong."""
-    if type(value) in scalars or isinstance(value, torch.Tensor):
+    if type(value) in scalars:
+        return None
+    if isinstance(value, torch.Tensor):
+        if type(value).__name__ == "DTensor":
+            return (f"{where} is a DTensor (one shard of a sharded tensor; saved from rank 0 it would "
+                    "hold rank 0's shard only)")
         return None
     if type(value) in (list, tuple, set):
         for i, item in enumerate(value):
@@ -196,33 +220,61 @@ class TrainState:
     # -- saving ---------------------------------------------------------------------------
 
     def state_dicts(self) -> dict[str, Any]:
-        """The state_dict of every object this state holds (the model unwrapped), by name."""
-        out = {}
-        for name, obj in self._objects.items():
-            sd = _unwrap(obj).state_dict() if name == "model" else obj.state_dict()
-            problem = _plain_problem(sd, f"{name}.state_dict()", _LOADABLE_SCALARS)
-            if problem:
-                raise TypeError(f"TrainState cannot save {name!r}: {problem}, which "
-                                "torch.load(weights_only=True) cannot load back. Hint: make its "
-                                "state_dict() return tensors and plain values only")
-            out[name] = sd
-        return out
+        """The state_dict of every object this state holds (the model unwrapped), by name.
+
+        For a sharded model these hold this rank's shards (DTensors); `save` writes those
+        through torch.distributed.checkpoint instead."""
+        return {name: _unwrap(obj).state_dict() if name == "model" else obj.state_dict()
+                for name, obj in self._objects.items()}
+
+    def sharded_names(self) -> list[str]:
+        """The objects saved through torch.distributed.checkpoint, one shard per rank: the
+        model when its parameters are sharded (FSDP2, tensor parallelism), and its optimizer
+        once it holds state (before its first step there are no shards, only settings)."""
+        model = self._objects.get("model")
+        if model is None or not is_sharded(_unwrap(model)):
+            return []
+        optimizer = self._objects.get("optimizer")
+        stepped = optimizer is not None and bool(getattr(optimizer, "state", None))
+        return ["model", "optimizer"] if stepped else ["model"]
 
     def save(self, directory: str | os.PathLike) -> list[str]:
         """Write this rank's files of a checkpoint into `directory`; returns their names.
 
         Rank 0 writes `train_state.pt` (objects and plain values); every rank writes
-        `rng_rank<r>.pt`. `report(..., checkpoint=True)` calls this; call it yourself to
-        attach TrainState's files to a checkpoint of your own.
+        `rng_rank<r>.pt`. A sharded model and its optimizer go through
+        torch.distributed.checkpoint: every rank writes its shards into a subdirectory
+        (collective). `report(..., checkpoint=True)` calls this; call it yourself to attach
+        TrainState's files to a checkpoint of your own.
         """
         directory = os.fspath(directory)
         rank, world_size = worker_ranks()
         written = []
+        sharded = self.sharded_names()
+        shards = None
+        if sharded:
+            from unbroken import sharded as sharded_mod
+
+            shards = sharded_mod.shard_dir(_attempt())
+            sharded_mod.save(os.path.join(directory, shards), _unwrap(self._objects["model"]),
+                             self._objects["optimizer"] if "optimizer" in sharded else None)
+            written += [f"{shards}/{name}" for name in sorted(os.listdir(os.path.join(directory, shards)))]
         if rank == 0:
             for name, value in self._values.items():
                 self._check_plain(name, value)
-            payload = {"format": FORMAT_VERSION, "world_size": world_size,
-                       "state_dicts": self.state_dicts(), "values": dict(self._values)}
+            state_dicts = {name: sd for name, sd in self.state_dicts().items() if name not in sharded}
+            for name, sd in state_dicts.items():
+                problem = _plain_problem(sd, f"{name}.state_dict()", _LOADABLE_SCALARS)
+                if problem:
+                    raise TypeError(f"TrainState cannot save {name!r}: {problem}, which "
+                                    "torch.load(weights_only=True) cannot load back. Hint: make its "
+                                    "state_dict() return tensors and plain values only; only the model "
+                                    "and its optimizer are saved sharded")
+            payload = {"format": SHARDED_FORMAT_VERSION if sharded else FORMAT_VERSION,
+                       "world_size": world_size, "torch_version": str(torch.__version__),
+                       "state_dicts": state_dicts, "values": dict(self._values)}
+            if sharded:
+                payload["sharded"] = {"directory": shards, "names": sharded}
             torch.save(payload, os.path.join(directory, STATE_FILE))
             written.append(STATE_FILE)
         rng = capture_rng()
@@ -283,16 +335,16 @@ class TrainState:
                 f"{sorted(os.listdir(directory)) if os.path.isdir(directory) else 'no such directory'}). "
                 "Hint: a run that saved its own files must keep loading them itself from "
                 "train.get_checkpoint(); start a new run to use TrainState")
-        payload = torch.load(path, weights_only=True, map_location=_map_location())
-        found = payload.get("format") if isinstance(payload, dict) else None
-        if found != FORMAT_VERSION:
-            raise StateMismatchError(f"{path} has format {found!r}; this version of unbroken reads "
-                                     f"format {FORMAT_VERSION}. Hint: restore with the unbroken version "
-                                     "that wrote it")
+        payload = read_payload(path)
         state_dicts: dict[str, Any] = payload["state_dicts"]
         values: dict[str, Any] = payload["values"]
-        self._compare("object", self._objects, state_dicts, strict, directory)
+        sharded = payload.get("sharded") or {"names": []}
+        self._compare("object", self._objects, {**state_dicts, **dict.fromkeys(sharded["names"])}, strict,
+                      directory)
         self._compare("value", self._values, values, strict, directory)
+        if "model" in sharded["names"] and "model" in self._objects:
+            self._load_sharded(os.path.join(directory, sharded["directory"]), sharded["names"],
+                               payload.get("torch_version"))
         for name, obj in self._objects.items():
             if name in state_dicts:
                 (_unwrap(obj) if name == "model" else obj).load_state_dict(state_dicts[name])
@@ -315,6 +367,30 @@ class TrainState:
                 g.set_state(generators[name])
         restore_rng(rng)
 
+    def _load_sharded(self, shards: str, names: list[str], saved_torch: str | None) -> None:
+        """Load the model (and optimizer) saved through torch.distributed.checkpoint,
+        resharded onto this run's layout. Collective."""
+        from unbroken import sharded as sharded_mod
+
+        optimizer = self._objects.get("optimizer") if "optimizer" in names else None
+        other_torch = saved_torch != torch.__version__
+        if other_torch:
+            logger.warning("%s was saved with torch %s and is loaded with torch %s: "
+                           "torch.distributed.checkpoint promises no compatibility across torch "
+                           "versions", shards, saved_torch, torch.__version__)
+        try:
+            sharded_mod.load(shards, _unwrap(self._objects["model"]), optimizer)
+        except StateMismatchError:
+            raise
+        except Exception as e:
+            if not other_torch:
+                raise
+            raise StateMismatchError(
+                f"loading the sharded state in {shards} failed: {type(e).__name__}: {e}. It was saved "
+                f"with torch {saved_torch}; this is torch {torch.__version__}, and "
+                "torch.distributed.checkpoint promises no compatibility across versions. Hint: restore "
+                f"with torch {saved_torch}") from e
+
     @staticmethod
     def _compare(kind: str, declared: Mapping[str, Any], saved: Mapping[str, Any], strict: bool,
                  directory: str) -> None:
@@ -330,6 +406,45 @@ class TrainState:
             raise StateMismatchError(message + ". Hint: build the TrainState with the same names the "
                                      "run saved, or call restore(strict=False) to load what matches")
         logger.warning("%s; loading the rest (strict=False)", message)
+
+
+def read_payload(path: str) -> dict[str, Any]:
+    """`train_state.pt`, checked to be a format this version reads."""
+    payload = torch.load(path, weights_only=True, map_location=_map_location())
+    found = payload.get("format") if isinstance(payload, dict) else None
+    if found not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
+        raise StateMismatchError(f"{path} has format {found!r}; this version of unbroken reads formats "
+                                 f"{FORMAT_VERSION} and {SHARDED_FORMAT_VERSION}. Hint: restore with the "
+                                 "unbroken version that wrote it")
+    return payload
+
+
+def load_full_state(directory: str | os.PathLike) -> dict[str, Any]:
+    """Everything a TrainState checkpoint directory holds except the random generators, whole,
+    in this process, by name: {"model": state_dict, "optimizer": ..., "scheduler": ...,
+    "loader": ..., <extra objects' state_dicts>, <plain values>}.
+
+    A sharded model and optimizer are gathered from every rank's shards (this needs memory
+    for the whole model, and no process group); their state_dicts are keyed by parameter
+    name, as torch.distributed.checkpoint.state_dict gives them."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        raise StateMismatchError(f"{directory} has no {STATE_FILE}, so it was not written by TrainState")
+    payload = read_payload(path)
+    out = {**payload["state_dicts"], **payload["values"]}
+    sharded = payload.get("sharded")
+    if sharded:
+        from unbroken import sharded as sharded_mod
+
+        out.update(sharded_mod.load_full(os.path.join(directory, sharded["directory"])))
+    return out
+
+
+def _attempt() -> int | None:
+    """This run's attempt number, or None outside a run."""
+    session = session_mod._current
+    return session.info.attempt if session is not None else None
 
 
 def _map_location() -> Any:

@@ -1,0 +1,162 @@
+"""Sharded model and optimizer state through torch.distributed.checkpoint (DCP).
+
+Under FSDP2 (`fully_shard`) or tensor parallelism the parameters are DTensors: each rank
+holds a shard, and rank 0's `state_dict()` is not the model. For such a model TrainState
+saves the model and optimizer here instead of in `train_state.pt`: every rank writes its own
+shards (`__<rank>_0.distcp`) and rank 0 DCP's index (`.metadata`) into one directory of the
+checkpoint. Loading goes through DCP's planner, which reads whatever slices this rank's
+layout needs, so a checkpoint saved by N ranks loads onto M ranks, or into one plain process.
+
+DCP stores its index with pickle and non-tensor values (the optimizer's param_groups) with
+torch.save. Both are read here with restricted loaders (`weights_only=True`; an allow-list of
+DCP's own metadata classes), as everything else unbroken loads.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from unbroken.errors import StateMismatchError
+
+#: DCP's index file, written by rank 0.
+DCP_METADATA = ".metadata"
+
+
+def shard_dir(attempt: int | None) -> str:
+    """The checkpoint subdirectory that holds the DCP files. Inside a run it names the attempt,
+    so that on object stores (where files are written under their final names) a writer left
+    over from a dead attempt cannot overwrite the files of the attempt that commits."""
+    return f"dcp-a{attempt}" if attempt else "dcp"
+
+
+def save(directory: str, model: Any, optimizer: Any | None) -> None:
+    """Write this rank's shards of `model` (and `optimizer`) into `directory`, and DCP's
+    `.metadata` on rank 0. Collective: every rank of the process group calls it.
+
+    The files are not fsynced here: TrainState writes into a temporary directory and the
+    report copies (and fsyncs) them into the run, as it does every checkpoint file."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
+
+
+def load(directory: str, model: Any, optimizer: Any | None) -> None:
+    """Load the shards in `directory` into `model` (and `optimizer`), resharding them onto this
+    process group's layout (or one plain process). Collective when a process group is up."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, storage_reader=_reader(directory), planner=_SafeLoadPlanner())
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_full(directory: str) -> dict[str, Any]:
+    """The whole state in `directory` as plain tensors, in this process, without a model or a
+    process group: {"model": {fqn: tensor}, "optimizer": {"state": {fqn: {...}}, "param_groups":
+    [...]}} (the optimizer keyed by parameter names, as get_optimizer_state_dict gives it).
+    It needs memory for the whole model."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # What torch.distributed.checkpoint.format_utils.dcp_to_torch_save does (dcp.load fills
+    # only the keys it is given, and here there are none yet).
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=_reader(directory), planner=_SafeEmptyLoadPlanner(), no_dist=True)
+    return state
+
+
+def full_state_dicts(model: Any, optimizer: Any | None) -> dict[str, Any]:
+    """The model's (and optimizer's) whole, unsharded state on every rank, on the CPU: what a
+    sharded checkpoint holds, gathered. For tests and evaluation of small models."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=options)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+# -- restricted loading ------------------------------------------------------------------------
+
+# DCP's index pickles these: its metadata dataclasses, torch sizes, dtypes and layouts, the
+# checkpoint's path (a pathlib path) and builtins.
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
+_ALLOWED_GLOBALS = {("torch", "Size"), ("torch", "dtype"), ("torch", "layout"), ("torch", "memory_format"),
+                    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                    ("builtins", "slice"), ("torch._utils", "_rebuild_tensor_v2"),
+                    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                    ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` allowing only DCP's own classes and torch's plain types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_ALLOWED_MODULES) or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                        torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint's "
+                                     "index never holds; refusing to load it")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with its index unpickled by `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(os.fspath(self.path), DCP_METADATA)
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise StateMismatchError(f"{os.path.dirname(path)} has no {DCP_METADATA}: the sharded "
+                                     "part of this checkpoint is incomplete") from None
+        if not isinstance(metadata, Metadata):
+            raise StateMismatchError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _reader(directory: str) -> _SafeReader:
+    return _SafeReader(directory)
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with non-tensor values (the optimizer's param_groups) loaded by
+    torch.load(weights_only=True) instead of DCP's unrestricted torch.load."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SafeEmptyLoadPlanner(_SafeLoadPlanner, _EmptyStateDictLoadPlanner):
+    """DCP's planner that rebuilds the whole state from the index, loading as `_SafeLoadPlanner`."""
