@@ -1,0 +1,218 @@
+"""PyTorch Lightning inside `train_loop_per_worker`, with Ray Train's `ray.train.lightning` names.
+
+A Ray script ports by changing its imports::
+
+    from unbroken.train.lightning import (RayDDPStrategy, RayLightningEnvironment,
+                                          RayTrainReportCallback, prepare_trainer)
+
+`RayTrainReportCallback` reports `trainer.callback_metrics` and a Lightning checkpoint at the
+end of every training epoch, in Ray's layout (`checkpoint_00000N/checkpoint.ckpt`). Beside it,
+each rank saves its random generators (`rng_rank<k>.pt`), which Lightning's own checkpoint
+leaves out; the callback puts them back when `trainer.fit(..., ckpt_path=...)` resumes from
+such a checkpoint, so a resumed run goes on with the same dropout masks and data order as one
+that never stopped. `fit(trainer, model, ...)` is that resume in one call.
+
+Lightning is imported when this module is; `pip install 'unbroken[lightning]'` installs it.
+Both package spellings work: `lightning` (used when installed) and `pytorch_lightning`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from unbroken import train
+from unbroken.checkpoint import Checkpoint
+from unbroken.torch_backend import get_device
+
+
+def _import_lightning() -> Any:
+    try:
+        import lightning.pytorch as pl
+    except ModuleNotFoundError:
+        try:
+            import pytorch_lightning as pl
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError(
+                "unbroken.train.lightning needs PyTorch Lightning, which is not installed. "
+                "Hint: pip install 'unbroken[lightning]'") from None
+    return pl
+
+
+pl = _import_lightning()
+_environments = __import__(f"{pl.__name__}.plugins.environments", fromlist=["LightningEnvironment"])
+
+__all__ = ["RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback",
+           "checkpoint_path", "fit", "prepare_trainer"]
+
+
+class _UnbrokenPlacement:
+    """Where Lightning puts the model and how it shards the data: this worker's device, and one
+    replica per rank of the run."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return get_device()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+class RayDDPStrategy(_UnbrokenPlacement, pl.strategies.DDPStrategy):
+    """Lightning's DDPStrategy over the process group that TorchTrainer set up.
+
+    The process group's backend and timeout come from `TorchConfig`, not from this strategy.
+    """
+
+
+class RayFSDPStrategy(_UnbrokenPlacement, pl.strategies.FSDPStrategy):
+    """Lightning's FSDPStrategy over the process group that TorchTrainer set up.
+
+    Lightning gathers the full state dict on rank 0 when it saves (its default
+    `state_dict_type="full"`), so the checkpoint has the same single file as under DDP.
+    """
+
+
+class RayLightningEnvironment(_environments.LightningEnvironment):
+    """Lightning's view of the cluster: ranks and sizes from `train.get_context()`.
+
+    The workers already exist (unbroken started them), so Lightning launches no processes.
+    """
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return train.get_context().get_world_size()
+
+    def global_rank(self) -> int:
+        return train.get_context().get_world_rank()
+
+    def local_rank(self) -> int:
+        return train.get_context().get_local_rank()
+
+    def node_rank(self) -> int:
+        return train.get_context().get_node_rank()
+
+    def set_world_size(self, size: int) -> None:
+        """Ignored: the run's context decides the world size."""
+
+    def set_global_rank(self, rank: int) -> None:
+        """Ignored: the run's context decides the rank."""
+
+    def teardown(self) -> None:
+        """Nothing to undo: the environment variables belong to the worker."""
+
+
+def prepare_trainer(trainer: Any) -> Any:
+    """Check that a Lightning `Trainer` runs on unbroken's workers; returns it unchanged.
+
+    Raises `RuntimeError` when the strategy is not `RayDDPStrategy`/`RayFSDPStrategy` (another
+    strategy would start processes of its own or disagree about the ranks) or when the
+    cluster environment is not `RayLightningEnvironment`.
+    """
+    if not isinstance(trainer.strategy, _UnbrokenPlacement):
+        raise RuntimeError(f"the Lightning Trainer's strategy is {type(trainer.strategy).__name__}, which "
+                           "does not run on unbroken's workers. Hint: pass strategy=RayDDPStrategy() or "
+                           "RayFSDPStrategy() from unbroken.train.lightning")
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if environment is not None and not isinstance(environment, RayLightningEnvironment):
+        raise RuntimeError(f"the Lightning Trainer's cluster environment is {type(environment).__name__}. "
+                           "Hint: pass plugins=[RayLightningEnvironment()] from unbroken.train.lightning")
+    return trainer
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+class RayTrainReportCallback(pl.callbacks.Callback):
+    """Reports `trainer.callback_metrics` (plus `epoch` and `step`) and a checkpoint at the end
+    of every training epoch, on every rank (`train.report` is collective).
+
+    The checkpoint is Ray's layout, plus each rank's random generators::
+
+        checkpoint_00000N/
+          checkpoint.ckpt     the Lightning checkpoint (trainer.save_checkpoint, from rank 0)
+          rng_rank<k>.pt      rank k's python/numpy/torch generator states
+
+    When `trainer.fit(..., ckpt_path=...)` resumes from `checkpoint.ckpt`, this callback puts
+    back this rank's generators saved beside it before the fit loop starts, so the run goes on
+    drawing the numbers the uninterrupted run drew after that epoch.
+    """
+
+    CHECKPOINT_NAME = "checkpoint.ckpt"
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # The latest hook before the fit loop draws from the generators (creating the first
+        # epoch's data iterator draws a seed); the sanity check that follows runs with its own
+        # generators (Lightning's isolate_rng), so it does not disturb them.
+        path = trainer.ckpt_path
+        if path and os.path.basename(str(path)) == self.CHECKPOINT_NAME:
+            rng = os.path.join(os.path.dirname(str(path)), f"rng_rank{trainer.global_rank}.pt")
+            if os.path.exists(rng):
+                _set_rng_state(torch.load(rng, weights_only=False))
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        metrics = {name: _number(value) for name, value in trainer.callback_metrics.items()}
+        metrics["epoch"] = trainer.current_epoch
+        metrics["step"] = trainer.global_step
+        with tempfile.TemporaryDirectory(prefix="unbroken-lightning-") as d:
+            torch.save(_rng_state(), os.path.join(d, f"rng_rank{trainer.global_rank}.pt"))
+            trainer.save_checkpoint(os.path.join(d, self.CHECKPOINT_NAME), weights_only=False)
+            train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+
+
+def _number(value: Any) -> Any:
+    """A logged metric as a JSON value: a one-element tensor becomes its Python number."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+@contextlib.contextmanager
+def checkpoint_path(checkpoint: Checkpoint | None = None) -> Iterator[str | None]:
+    """The path of `checkpoint.ckpt` in `checkpoint` (default: `train.get_checkpoint()`, the
+    run's latest committed checkpoint) for `trainer.fit(ckpt_path=...)`, or None when there
+    is none (a fresh run). On remote storage the files are a local copy while the block runs.
+    """
+    checkpoint = checkpoint if checkpoint is not None else train.get_checkpoint()
+    if checkpoint is None:
+        yield None
+        return
+    with checkpoint.as_directory() as d:
+        yield os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME)
+
+
+def fit(trainer: Any, model: Any, **fit_kwargs: Any) -> None:
+    """`trainer.fit(model, ckpt_path=<latest checkpoint>, **fit_kwargs)`: starts fresh on a new
+    run, and resumes a restored or re-run one from its last committed checkpoint (weights,
+    optimizer, schedulers, loop counters, callbacks, random generators)."""
+    with checkpoint_path() as path:
+        trainer.fit(model, ckpt_path=path, **fit_kwargs)
