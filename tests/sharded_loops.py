@@ -16,6 +16,10 @@ def build_fsdp(width: int = 32, sharded: bool = True) -> torch.nn.Module:
     if sharded:
         from torch.distributed.fsdp import fully_shard
 
+        if not torch.distributed.is_initialized():  # one worker: TorchTrainer starts no process group
+            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                                 world_size=1)
+
         for layer in (model[0], model[3], model[5]):
             fully_shard(layer)
         fully_shard(model)
@@ -67,8 +71,10 @@ def fsdp_loop(config: dict) -> None:
             for step, attempt, kill_rank, mode in kills:
                 if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
                     _die(mode, step)
-            every = [None] * world
-            torch.distributed.all_gather_object(every, idx.tolist())
+            every = [idx.tolist()]
+            if torch.distributed.is_initialized():
+                every = [None] * world
+                torch.distributed.all_gather_object(every, idx.tolist())
             state.report({"loss": loss.item(), "epoch": epoch, "step": state.step, "indices": every},
                          checkpoint=state.step % config.get("ckpt_every", 4) == 0)
             if config.get("dump_at") and config["dump_at"][0] == state.step:

@@ -68,6 +68,7 @@ def load(directory: str, model: Any, optimizer: Any | None) -> None:
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
+    _reader(directory).read_metadata()  # its errors, before DCP wraps them in its own
     dcp.load(state, storage_reader=_reader(directory), planner=_SafeLoadPlanner())
     if optimizer is None:
         set_model_state_dict(model, state["model"])
@@ -85,6 +86,7 @@ def load_full(directory: str) -> dict[str, Any]:
     # What torch.distributed.checkpoint.format_utils.dcp_to_torch_save does (dcp.load fills
     # only the keys it is given, and here there are none yet).
     state: dict[str, Any] = {}
+    _reader(directory).read_metadata()  # its errors, before DCP wraps them in its own
     _load_state_dict(state, storage_reader=_reader(directory), planner=_SafeEmptyLoadPlanner(), no_dist=True)
     return state
 
