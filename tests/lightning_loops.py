@@ -15,7 +15,7 @@ from unbroken.train.lightning import (
     RayFSDPStrategy,
     RayLightningEnvironment,
     RayTrainReportCallback,
-    fit,
+    fit_or_resume,
     pl,
     prepare_trainer,
 )
@@ -77,7 +77,7 @@ class Probe(pl.Callback):
 
 
 def lightning_loop(config: dict) -> None:
-    """The Ray Train Lightning recipe, ported by imports, resuming with `fit`."""
+    """The Ray Train Lightning recipe, ported by imports, resuming with `fit_or_resume`."""
     torch.manual_seed(0)
     model = Regressor(config.get("lr", 0.02))
     train_loader = torch.utils.data.DataLoader(regression_data(64, 1), batch_size=8, shuffle=True)
@@ -88,7 +88,7 @@ def lightning_loop(config: dict) -> None:
                          callbacks=[RayTrainReportCallback(), Probe(config)], enable_checkpointing=False,
                          logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer = prepare_trainer(trainer)
-    fit(trainer, model, train_dataloaders=train_loader, val_dataloaders=val_loader)
+    fit_or_resume(trainer, model, train_dataloaders=train_loader, val_dataloaders=val_loader)
 
 
 def final_weights(result) -> dict[str, torch.Tensor]:

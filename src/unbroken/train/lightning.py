@@ -10,7 +10,7 @@ end of every training epoch, in Ray's layout (`checkpoint_00000N/checkpoint.ckpt
 each rank saves its random generators (`rng_rank<k>.pt`), which Lightning's own checkpoint
 leaves out; the callback puts them back when `trainer.fit(..., ckpt_path=...)` resumes from
 such a checkpoint, so a resumed run goes on with the same dropout masks and data order as one
-that never stopped. `fit(trainer, model, ...)` is that resume in one call.
+that never stopped. `fit_or_resume(trainer, model, ...)` is that resume in one call.
 
 Lightning is imported when this module is; `pip install 'unbroken[lightning]'` installs it.
 Both package spellings work: `lightning` (used when installed) and `pytorch_lightning`.
@@ -49,7 +49,7 @@ pl = _import_lightning()
 _environments = __import__(f"{pl.__name__}.plugins.environments", fromlist=["LightningEnvironment"])
 
 __all__ = ["RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback",
-           "checkpoint_path", "fit", "prepare_trainer"]
+           "checkpoint_path", "fit_or_resume", "prepare_trainer"]
 
 
 class _UnbrokenPlacement:
@@ -210,7 +210,7 @@ def checkpoint_path(checkpoint: Checkpoint | None = None) -> Iterator[str | None
         yield os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME)
 
 
-def fit(trainer: Any, model: Any, **fit_kwargs: Any) -> None:
+def fit_or_resume(trainer: Any, model: Any, **fit_kwargs: Any) -> None:
     """`trainer.fit(model, ckpt_path=<latest checkpoint>, **fit_kwargs)`: starts fresh on a new
     run, and resumes a restored or re-run one from its last committed checkpoint (weights,
     optimizer, schedulers, loop counters, callbacks, random generators)."""
