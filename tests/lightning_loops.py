@@ -9,6 +9,7 @@ import signal
 
 import torch
 
+from integration_checks import block_at
 from unbroken import train
 from unbroken.train.lightning import (
     RayDDPStrategy,
@@ -60,7 +61,8 @@ class Regressor(pl.LightningModule):
 
 class Probe(pl.Callback):
     """Test knobs: `kill_at=[epoch, attempt, rank]` SIGKILLs that rank at the epoch's first batch;
-    `echo` prints "REPORTED <epoch>" on rank 0 once the epoch's report has been sent."""
+    `echo` prints "REPORTED <epoch>" on rank 0 once the epoch's report has been sent;
+    `block_at=[epoch, fifo]` then blocks rank 0 of attempt 1 reading `fifo` (never written)."""
 
     def __init__(self, config: dict) -> None:
         self.config = config
@@ -72,8 +74,10 @@ class Probe(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if self.config.get("echo") and trainer.global_rank == 0:
-            print(f"REPORTED {trainer.current_epoch}", flush=True)
+        if trainer.global_rank == 0:
+            if self.config.get("echo"):
+                print(f"REPORTED {trainer.current_epoch}", flush=True)
+            block_at(self.config, trainer.current_epoch)
 
 
 def lightning_loop(config: dict) -> None:

@@ -10,6 +10,7 @@ import signal
 import torch
 import transformers
 
+from integration_checks import block_at
 from unbroken import train
 from unbroken.train.huggingface.transformers import (
     RayTrainReportCallback,
@@ -43,8 +44,9 @@ def tiny_bert() -> transformers.PreTrainedModel:
 
 class Probe(transformers.TrainerCallback):
     """Test knobs: `kill_at=[step, attempt, rank]` SIGKILLs that rank when it begins that step;
-    `echo` prints "SAVED <step>" on rank 0 after each save's report; every log entry records the
-    global step the Trainer started (or resumed) from as `start_step`."""
+    `echo` prints "SAVED <step>" on rank 0 after each save's report, and `block_at=[step, fifo]`
+    then blocks it in attempt 1; every log entry records the global step the Trainer started (or
+    resumed) from as `start_step`."""
 
     def __init__(self, config: dict) -> None:
         self.config = config
@@ -64,8 +66,10 @@ class Probe(transformers.TrainerCallback):
             state.log_history[-1]["start_step"] = self.start_step
 
     def on_save(self, args, state, control, **kwargs) -> None:
-        if self.config.get("echo") and args.process_index == 0:
-            print(f"SAVED {state.global_step}", flush=True)
+        if args.process_index == 0:
+            if self.config.get("echo"):
+                print(f"SAVED {state.global_step}", flush=True)
+            block_at(self.config, state.global_step)
 
 
 def transformers_loop(config: dict) -> None:
