@@ -74,13 +74,17 @@ class Probe(transformers.TrainerCallback):
 
 def transformers_loop(config: dict) -> None:
     """The Ray Train Transformers recipe, ported by imports, resuming with `train_or_resume`."""
-    rank = train.get_context().get_world_rank()
+    ctx = train.get_context()
+    # One directory per trial of a sweep; with per_rank_dir, one per rank, as on separate nodes.
+    output_dir = os.path.join(config["output_dir"], ctx.get_trial_name() or "",
+                              f"rank{ctx.get_world_rank()}" if config.get("per_rank_dir") else "")
     args = transformers.TrainingArguments(
-        output_dir=os.path.join(config["output_dir"], f"rank{rank}" if config.get("per_rank_dir") else ""),
+        output_dir=output_dir,
         max_steps=config.get("max_steps", 12), per_device_train_batch_size=4, per_device_eval_batch_size=16,
         learning_rate=config.get("lr", 5e-3), lr_scheduler_type="linear", warmup_steps=2, seed=0,
         save_strategy="steps", save_steps=3, logging_steps=3, eval_strategy="steps", eval_steps=3,
         report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0)
+    transformers.set_seed(0)  # before the model's initialisation, which draws from the generators
     trainer = transformers.Trainer(model=tiny_bert(), args=args, train_dataset=Sequences(64, 1),
                                    eval_dataset=Sequences(16, 2))
     trainer.add_callback(RayTrainReportCallback())

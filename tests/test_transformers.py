@@ -1,0 +1,121 @@
+"""unbroken.train.huggingface.transformers with the real Transformers Trainer: 2 workers on gloo,
+a run whose worker or driver is SIGKILLed resumes (by running it again, by restore in a new
+process) and ends exactly as the uninterrupted run; stop, checkpoint retention and sweeps work
+through the report callback."""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from conftest import run_json, run_script  # noqa: E402
+from integration_checks import RESTORE, assert_equal_tensors, check_resumed_like, kill_driver_at  # noqa: E402
+from transformers_loops import final_weights, transformers_loop  # noqa: E402
+from unbroken import tune  # noqa: E402
+from unbroken.train import (  # noqa: E402
+    CheckpointConfig,
+    Result,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+)
+from unbroken.train.torch import TorchTrainer  # noqa: E402
+
+SAVE_STEPS = 3  # max_steps 12: iterations 1-4 at steps 3, 6, 9, 12 (an epoch is 8 steps)
+COLUMNS = ["training_iteration", "step", "epoch", "loss", "grad_norm", "learning_rate", "eval_loss"]
+
+
+def trainer(storage, name, **config):
+    return TorchTrainer(transformers_loop, train_loop_config=config,
+                        scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name=name, storage_path=storage))
+
+
+def check_same_end(result, reference) -> None:
+    """Weights, optimizer and scheduler state are those of the reference, bit for bit."""
+    assert_equal_tensors(final_weights(result), final_weights(reference))
+    for name in ("optimizer.pt", "scheduler.pt"):
+        got, want = (torch.load(os.path.join(r.checkpoint.path, "checkpoint", name), weights_only=False)
+                     for r in (result, reference))
+        assert_equal_tensors({name: got}, {name: want})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run."""
+    d = tmp_path_factory.mktemp("reference")
+    return trainer(str(d), "reference", output_dir=str(d / "out")).fit()
+
+
+def test_uninterrupted_run_reports_each_save_with_the_transformers_checkpoint(reference):
+    df = reference.metrics_dataframe
+    assert list(df["training_iteration"]) == [1, 2, 3, 4] and list(df["step"]) == [3, 6, 9, 12]
+    assert {"loss", "eval_loss", "learning_rate", "epoch"} <= set(df.columns)
+    assert list(df["learning_rate"]) == sorted(df["learning_rate"], reverse=True), "the schedule ran"
+    files = sorted(os.listdir(os.path.join(reference.checkpoint.path, "checkpoint")))
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+                 "rng_state_0.pth", "rng_state_1.pth"):
+        assert name in files, (name, files)  # Ray's layout: the Trainer's checkpoint in checkpoint/
+
+
+def test_killed_worker_then_the_same_run_again_continues_exactly(storage, reference, tmp_path):
+    # Each rank with its own output_dir, as on separate nodes: rank 1's generator file comes from
+    # rank 1's directory.
+    config = {"output_dir": str(tmp_path / "out"), "per_rank_dir": True, "kill_at": [8, 1, 1]}
+    with pytest.raises(TrainingFailedError, match="SIGKILL"):
+        trainer(storage, "worker-killed", **config).fit()  # rank 1 dies beginning step 8
+    assert Result.from_path(os.path.join(storage, "worker-killed")).metrics["training_iteration"] == 2
+
+    result = trainer(storage, "worker-killed", **config).fit()  # what running the script again does
+    # Resumed from step 6, in the middle of the first epoch.
+    assert check_resumed_like(result, reference, COLUMNS, SAVE_STEPS) == 2
+    check_same_end(result, reference)
+
+
+def test_killed_driver_then_restore_in_a_new_process_continues_exactly(storage, reference, tmp_path):
+    config = {"output_dir": str(tmp_path / "out"), "echo": True, "block_at": [6, str(tmp_path / "block")]}
+    # Rank 0 prints "SAVED 6" after it reported the save of step 6, and blocks: the driver has
+    # recorded step 3's report by then, and may record step 6's before it dies.
+    kill_driver_at("transformers_loops", "transformers_loop", storage, "driver-killed", config, "SAVED 6")
+    path = os.path.join(storage, "driver-killed")
+    assert run_json(path)["status"] == "RUNNING"
+
+    out = run_script(RESTORE, path)
+    assert "DONE 4 2" in out.stdout
+    result = Result.from_path(path)
+    assert check_resumed_like(result, reference, COLUMNS, SAVE_STEPS) in (1, 2)
+    check_same_end(result, reference)
+
+
+def test_stop_retention_and_a_sweep_over_a_transformers_trainer(storage, tmp_path):
+    base = TorchTrainer(transformers_loop, train_loop_config={"output_dir": str(tmp_path / "out"),
+                                                              "per_rank_dir": True},
+                        scaling_config=ScalingConfig(num_workers=2))
+    grid = tune.Tuner(
+        base, param_space={"train_loop_config": {"lr": tune.grid_search([1e-3, 5e-3])}},
+        tune_config=tune.TuneConfig(metric="eval_loss", mode="min", max_concurrent_trials=1),
+        run_config=RunConfig(name="sweep", storage_path=storage, stop={"step": 9},
+                             checkpoint_config=CheckpointConfig(num_to_keep=1,
+                                                                checkpoint_score_attribute="eval_loss",
+                                                                checkpoint_score_order="min"))).fit()
+    assert len(grid) == 2 and grid.num_terminated == 2 and grid.num_errors == 0
+    for result in grid:
+        df = result.metrics_dataframe
+        assert list(df["step"]) == [3, 6, 9], "stopped at step 9 of 12"
+        best = int(df.loc[df["eval_loss"].idxmin(), "training_iteration"])
+        kept = {int(n.rsplit("_", 1)[1]) for n in os.listdir(result.path) if n.startswith("checkpoint_")}
+        assert kept == {best, 3}, "the best by eval_loss, and the latest"
+    assert {r.config["train_loop_config"]["lr"] for r in grid} == {1e-3, 5e-3}
+    assert grid.get_best_result().metrics["eval_loss"] == min(r.metrics["eval_loss"] for r in grid)
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "unbroken.train.huggingface.transformers")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'unbroken\[transformers\]'"):
+        importlib.import_module("unbroken.train.huggingface.transformers")
