@@ -238,3 +238,17 @@ def test_sharded_checkpoint_on_s3(s3_endpoint, reference, tmp_path):
         for key in env:
             os.environ.pop(key, None)
     assert_identical(got, reference.checkpoint.to_state_dict(), "final state on S3", "vs local")
+
+
+def test_a_file_already_in_place_is_summed_not_copied_onto_itself(tmp_path):
+    # TrainState writes shards straight into the staging directory and hands the report links
+    # to them: staging such a link must keep the file (a copy onto itself would empty it).
+    from unbroken.storage import Storage
+
+    storage = Storage.from_url(str(tmp_path / "run"))
+    storage.makedirs("staged")
+    with open(storage.local_path("staged/shard"), "wb") as f:
+        f.write(b"x" * 1000)
+    os.symlink(storage.local_path("staged/shard"), tmp_path / "link")
+    assert storage.put_file(str(tmp_path / "link"), "staged/shard")[0] == 1000
+    assert open(storage.local_path("staged/shard"), "rb").read() == b"x" * 1000

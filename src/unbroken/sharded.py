@@ -20,6 +20,7 @@ import pickle
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
@@ -46,18 +47,26 @@ def shard_dir(attempt: int | None) -> str:
     return f"dcp-a{attempt}" if attempt else "dcp"
 
 
-def save(directory: str, model: Any, optimizer: Any | None) -> None:
+def save(directory: str, model: Any, optimizer: Any | None, *, durable: bool = False) -> list[str]:
     """Write this rank's shards of `model` (and `optimizer`) into `directory`, and DCP's
-    `.metadata` on rank 0. Collective: every rank of the process group calls it.
+    `.metadata` on rank 0; returns the names of the files this rank wrote. Collective: every
+    rank of the process group calls it, with the same `directory` name or one of its own.
 
-    The files are not fsynced here: TrainState writes into a temporary directory and the
-    report copies (and fsyncs) them into the run, as it does every checkpoint file."""
+    `durable`: fsync each file (DCP writes `.metadata` last, through a temp file and a rename).
+    Not needed when the files are written to a temporary directory and copied into the run
+    afterwards, as the copy is fsynced."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
+    metadata = dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=durable))
+    # The index lists every rank's files (dcp.save returns the global metadata on every rank);
+    # rank r's data files are named __<r>_<n>.distcp, and rank 0 (the coordinator) wrote the index.
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mine = {info.relative_path for info in (metadata.storage_data or {}).values()
+            if info.relative_path.startswith(f"__{rank}_")}
+    return sorted(mine | ({DCP_METADATA} if rank == 0 else set()))
 
 
 def load(directory: str, model: Any, optimizer: Any | None) -> None:

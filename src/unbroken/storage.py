@@ -363,6 +363,12 @@ class Storage:
         if not self.is_local:
             return self.put_files([(local_src, rel)])[0]
         path = self.path(rel)
+        if os.path.exists(path) and os.path.samefile(local_src, path):
+            # Already written in place (a link to it was handed in: TrainState's sharded files):
+            # copying a file onto itself would empty it. Make it durable and sum it.
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            return _local_sum(path)
         crc, size = 0, 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(local_src, "rb") as src, open(path, "wb") as dst:

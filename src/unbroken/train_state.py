@@ -32,7 +32,7 @@ import random
 import sys
 import tempfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ import torch
 from unbroken import session as session_mod
 from unbroken import train
 from unbroken.checkpoint import Checkpoint
+from unbroken.commit import staging_name
 from unbroken.errors import StateMismatchError
 from unbroken.torch_backend import worker_ranks
 
@@ -219,13 +220,14 @@ class TrainState:
 
     # -- saving ---------------------------------------------------------------------------
 
-    def state_dicts(self) -> dict[str, Any]:
-        """The state_dict of every object this state holds (the model unwrapped), by name.
+    def state_dicts(self, exclude: Collection[str] = ()) -> dict[str, Any]:
+        """The state_dict of every object this state holds (the model unwrapped), by name,
+        but those in `exclude`.
 
         For a sharded model these hold this rank's shards (DTensors); `save` writes those
         through torch.distributed.checkpoint instead."""
         return {name: _unwrap(obj).state_dict() if name == "model" else obj.state_dict()
-                for name, obj in self._objects.items()}
+                for name, obj in self._objects.items() if name not in exclude}
 
     def sharded_names(self) -> list[str]:
         """The objects saved through torch.distributed.checkpoint, one shard per rank: the
@@ -247,7 +249,11 @@ class TrainState:
         (collective). `report(..., checkpoint=True)` calls this; call it yourself to attach
         TrainState's files to a checkpoint of your own.
         """
-        directory = os.fspath(directory)
+        return self._write(os.fspath(directory))
+
+    def _write(self, directory: str, shards_in: str | None = None) -> list[str]:
+        """`save`; with `shards_in` (a directory), the shards are written there, durably, and
+        `directory` gets links to them, which the report stages without copying them again."""
         rank, world_size = worker_ranks()
         written = []
         sharded = self.sharded_names()
@@ -256,13 +262,22 @@ class TrainState:
             from unbroken import sharded as sharded_mod
 
             shards = sharded_mod.shard_dir(_attempt())
-            sharded_mod.save(os.path.join(directory, shards), _unwrap(self._objects["model"]),
-                             self._objects["optimizer"] if "optimizer" in sharded else None)
-            written += [f"{shards}/{name}" for name in sorted(os.listdir(os.path.join(directory, shards)))]
+            model = _unwrap(self._objects["model"])
+            optimizer = self._objects["optimizer"] if "optimizer" in sharded else None
+            local = os.path.join(directory, shards)
+            if shards_in is None:
+                names = sharded_mod.save(local, model, optimizer)
+            else:
+                target = os.path.join(shards_in, shards)
+                names = sharded_mod.save(target, model, optimizer, durable=True)
+                os.makedirs(local)
+                for name in names:
+                    os.symlink(os.path.join(target, name), os.path.join(local, name))
+            written += [f"{shards}/{name}" for name in names]
         if rank == 0:
             for name, value in self._values.items():
                 self._check_plain(name, value)
-            state_dicts = {name: sd for name, sd in self.state_dicts().items() if name not in sharded}
+            state_dicts = self.state_dicts(exclude=sharded)
             for name, sd in state_dicts.items():
                 problem = _plain_problem(sd, f"{name}.state_dict()", _LOADABLE_SCALARS)
                 if problem:
@@ -300,7 +315,7 @@ class TrainState:
             train.report(metrics)
             return False
         with tempfile.TemporaryDirectory(prefix="unbroken-state-") as d:
-            self.save(d)
+            self._write(d, _next_staging() if self.sharded_names() else None)
             train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         return True
 
@@ -439,6 +454,17 @@ def load_full_state(directory: str | os.PathLike) -> dict[str, Any]:
 
         out.update(sharded_mod.load_full(os.path.join(directory, sharded["directory"])))
     return out
+
+
+def _next_staging() -> str | None:
+    """Where the next report's checkpoint is staged, when that is a local directory: sharded
+    files are written there directly, so that their bytes are written once (the report finds
+    them in place and only sums them). None on object stores, where the report uploads them."""
+    session = session_mod.current("TrainState.report()")
+    storage = session.info.storage
+    if not storage.renames_atomically:
+        return None
+    return storage.local_path(staging_name(session.iteration + 1, session.info.attempt, storage))
 
 
 def _attempt() -> int | None:

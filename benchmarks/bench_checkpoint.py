@@ -1,0 +1,172 @@
+"""A sharded (FSDP2) checkpoint's cost against raw torch.save of the same shards and the disk.
+
+    python benchmarks/bench_checkpoint.py [--repeats N] [--sizes 200,1000] [--storage DIR]
+
+A real 2-worker TorchTrainer run (gloo, CPU) per size: an MLP of Linear(width) layers sharded
+with `fully_shard`, AdamW after one step (so the state is the weights and two moments: about
+3x the parameters). Each repeat measures, in a rotating order, with every rank at once:
+
+- disk: each rank writes as many bytes as its shards hold, from memory, in 8 MiB writes, then
+  fsyncs: the physical limit, measured the same way as the others;
+- raw torch.save: each rank `torch.save`s its local shards (model and optimizer state, plain
+  tensors) into the run's directory and fsyncs the file;
+- sync save: `TrainState.report(..., checkpoint=True)` until the driver's reply, i.e. what a
+  loop waits for: DCP writes each rank's shards, the report copies and fsyncs them into the
+  run, and the driver commits the checkpoint (marker written last, directory renamed).
+
+A measurement is the slowest rank's time. Dirty pages are flushed (os.sync) before each one.
+Prints a markdown table of medians (min-max) and the sync/raw ratio (target: <= 1.3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from unbroken import train
+from unbroken.train import CheckpointConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer, TrainState
+
+MiB = 1 << 20
+# width, layers: about 200 MB and 1 GB of model + AdamW state.
+SIZES = {200: (2048, 4), 1000: (4096, 5)}
+
+
+def _fsync_write(path: str, chunks: Any) -> None:
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def local_shards(state: TrainState) -> dict[str, Any]:
+    """This rank's shards of the model and optimizer state, as plain tensors."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def local(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.to_local()
+        if isinstance(value, dict):
+            return {k: local(v) for k, v in value.items()}
+        return value
+
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    return {"model": local(model_sd), "optimizer": local(optim_sd)}
+
+
+def tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def bench_loop(config: dict) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    ctx = train.get_context()
+    rank = ctx.get_world_rank()
+    torch.manual_seed(0)
+    width, layers = config["width"], config["layers"]
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, width)).pow(2).mean().backward()
+    opt.step()
+    state = TrainState(model=model, optimizer=opt)
+    shards = local_shards(state)
+    nbytes = tensor_bytes(shards)
+    scratch = os.path.join(config["scratch"], f"rank{rank}")
+    os.makedirs(scratch, exist_ok=True)
+    block = os.urandom(8 * MiB)
+
+    def disk() -> None:
+        full, rest = divmod(nbytes, len(block))
+        _fsync_write(os.path.join(scratch, "disk.bin"), [block] * full + [block[:rest]])
+
+    def raw() -> None:
+        path = os.path.join(scratch, "raw.pt")
+        with open(path, "wb") as f:
+            torch.save(shards, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def sync_save() -> None:
+        state.report({"it": 0}, checkpoint=True)
+        train.get_context().should_checkpoint()  # the driver's reply: the checkpoint committed
+
+    methods = {"disk": disk, "raw torch.save": raw, "sync save": sync_save}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for repeat in range(config["repeats"]):
+        for name in names[repeat % 3:] + names[:repeat % 3]:
+            if rank == 0:
+                os.sync()
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            methods[name]()
+            elapsed = time.perf_counter() - start
+            every = [None] * ctx.get_world_size()
+            torch.distributed.all_gather_object(every, elapsed)
+            times[name].append(max(every))
+            for leftover in os.listdir(scratch):
+                os.remove(os.path.join(scratch, leftover))
+    totals = [None] * ctx.get_world_size()
+    torch.distributed.all_gather_object(totals, nbytes)
+    if rank == 0:
+        with open(config["out"], "w") as f:
+            json.dump({"bytes": sum(totals), "times": times}, f)
+
+
+def run_size(size_mb: int, repeats: int, storage: str) -> dict[str, Any]:
+    width, layers = SIZES[size_mb]
+    out = os.path.join(storage, f"times-{size_mb}.json")
+    scratch = os.path.join(storage, f"scratch-{size_mb}")
+    TorchTrainer(bench_loop, train_loop_config={"width": width, "layers": layers, "repeats": repeats,
+                                                "out": out, "scratch": scratch},
+                 scaling_config=ScalingConfig(num_workers=2),
+                 run_config=RunConfig(name=f"bench-{size_mb}", storage_path=storage, verbose=0,
+                                      checkpoint_config=CheckpointConfig(num_to_keep=1))).fit()
+    with open(out) as f:
+        return json.load(f)
+
+
+def cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", default="200,1000", help="comma-separated: 200 and/or 1000 (MB)")
+    parser.add_argument("--storage", default=None, help="where the runs write (default: a temp dir)")
+    args = parser.parse_args()
+    storage = args.storage or tempfile.mkdtemp(prefix="bench-checkpoint-")
+    print(f"torch {torch.__version__}, 2 ranks, FSDP2 on CPU (gloo), {os.cpu_count()} CPUs, "
+          f"{args.repeats} repeats, medians (min-max); no GPU")
+    print()
+    print("| state | disk write + fsync | raw torch.save + fsync | sync save (TrainState) | sync / raw "
+          "| sync / disk |")
+    print("|---|---|---|---|---|---|")
+    for size in (int(s) for s in args.sizes.split(",")):
+        got = run_size(size, args.repeats, storage)
+        t = got["times"]
+        disk, raw, sync = (statistics.median(t[k]) for k in ("disk", "raw torch.save", "sync save"))
+        print(f"| {got['bytes'] / MiB:.0f} MiB | {cell(t['disk'])} | {cell(t['raw torch.save'])} | "
+              f"{cell(t['sync save'])} | {sync / raw:.2f}x | {sync / disk:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
