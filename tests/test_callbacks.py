@@ -111,7 +111,7 @@ def test_a_failing_callback_is_reported_once_and_the_run_goes_on(storage, caplog
 
 
 def test_callbacks_must_be_callback_instances(storage):
-    with pytest.raises(TypeError, match="RunConfig.callbacks must hold Callback instances"):
+    with pytest.raises(TypeError, match="RunConfig.callbacks must hold Callback or UserCallback instances"):
         trainer(storage, "wrong", {"iterations": 2}, [print]).fit()
     assert not os.path.exists(storage), "refused before anything was written"
 

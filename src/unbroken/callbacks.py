@@ -132,15 +132,37 @@ class Callback:
         """fit() is about to return or raise; the run is FINISHED, ERRORED or INTERRUPTED."""
 
 
+class UserCallback:
+    """Ray Train V2's callback interface, for scripts ported from Ray: pass instances in
+    `RunConfig(callbacks=[...])`, next to (or instead of) `Callback`s. Same rules: the
+    driver calls them, in order, after the event is on storage, and a failing one is logged,
+    never fatal. `run_context` is the run's `RunInfo` (name, path, attempt, config, ...).
+
+    Across a crash a hook may see a report twice: the rounds after the last committed
+    checkpoint run again in the next attempt (`run_context.resumed_iteration` says where it
+    resumed). The run's metric history keeps each iteration once.
+    """
+
+    def after_report(self, run_context: RunInfo, metrics: list[dict[str, Any]],
+                     checkpoint: Checkpoint | None) -> None:
+        """Every rank reported: `metrics[i]` is what rank i passed to `train.report`;
+        `checkpoint` is the committed checkpoint of this report, or None."""
+
+    def after_exception(self, run_context: RunInfo, worker_exceptions: dict[int, Exception]) -> None:
+        """An attempt failed: the error by the rank that failed (-1 when it was not a rank's:
+        storage, the driver's bookkeeping). The run may restart (FailureConfig.max_failures)."""
+
+
 class CallbackList:
     """Calls every callback at each event and contains their failures."""
 
     def __init__(self, callbacks: list[Callback] | None = None) -> None:
         self.callbacks = list(callbacks or [])
         for cb in self.callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"RunConfig.callbacks must hold Callback instances, got {cb!r}. "
-                                "Hint: subclass unbroken.train.Callback")
+            if not isinstance(cb, (Callback, UserCallback)):
+                raise TypeError(f"RunConfig.callbacks must hold Callback or UserCallback instances, "
+                                f"got {cb!r}. Hint: subclass unbroken.train.Callback (or "
+                                "unbroken.train.UserCallback, Ray Train V2's interface)")
         self.info: RunInfo | None = None
         self._set_up = False
         self._warned: set[int] = set()
@@ -151,9 +173,12 @@ class CallbackList:
         self.info = RunInfo(run)
         return self
 
-    def _call(self, cb: Callback, method: str, *args: Any) -> bool:
+    def _call(self, cb: Callback | UserCallback, method: str, *args: Any) -> bool:
+        hook = getattr(cb, method, None)
+        if hook is None:
+            return True  # a Callback has no after_report, a UserCallback no on_result
         try:
-            getattr(cb, method)(self.info, *args)
+            hook(self.info, *args)
             return True
         except Exception as e:
             if id(cb) not in self._warned:
@@ -186,13 +211,22 @@ class CallbackList:
 
     def checkpoint(self, marker: Marker) -> None:
         if self.callbacks:
-            storage = self.info._run.storage
-            handle = Checkpoint(storage.url(marker.name), storage.filesystem_arg)
-            self._each("on_checkpoint", handle, dict(marker.metrics))
+            self._each("on_checkpoint", self._handle(marker), dict(marker.metrics))
+
+    def _handle(self, marker: Marker) -> Checkpoint:
+        storage = self.info._run.storage
+        return Checkpoint(storage.url(marker.name), storage.filesystem_arg)
+
+    def reported(self, metrics: list[dict[str, Any]], marker: Marker | None) -> None:
+        if self.callbacks:
+            self._each("after_report", [dict(m) for m in metrics],
+                       self._handle(marker) if marker is not None else None)
 
     def attempt_ended(self, status: str, error: BaseException | None) -> None:
         if self.callbacks:
             self._each("on_attempt_end", status, error)
+            if isinstance(error, Exception):
+                self._each("after_exception", {failed_rank(error): error})
 
     def run_ended(self, status: str) -> None:
         if self.callbacks and self._set_up:
@@ -204,3 +238,13 @@ def numeric_metrics(row: dict[str, Any]) -> dict[str, float]:
     """The row's numbers worth plotting: ints and floats, not bools, not bookkeeping fields."""
     return {k: float(v) for k, v in row.items()
             if k not in BOOKKEEPING and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def failed_rank(error: BaseException) -> int:
+    """The rank an attempt's error came from (a WorkerError's, or the one a worker's own
+    exception carries as its cause), or -1 when it did not come from a rank."""
+    for e in (error, error.__cause__):
+        rank = getattr(e, "rank", None)
+        if isinstance(rank, int):
+            return rank
+    return -1

@@ -84,12 +84,15 @@ class CheckpointManager:
         return self.committed[-1] if self.committed else None
 
     def commit(self, iteration: int, attempt: int, per_rank_files: list[list[FileEntry]],
-               metrics: dict[str, Any]) -> Marker:
-        """Commit the checkpoint the ranks staged for `iteration`, then apply retention."""
-        marker = Marker(name=commit.checkpoint_name(iteration), iteration=iteration, attempt=attempt,
-                        files=commit.merge_rank_files(per_rank_files), metrics=metrics,
+               metrics: dict[str, Any], name: str | None = None) -> Marker:
+        """Commit the checkpoint the ranks staged for `iteration` (as `name`, a custom
+        checkpoint_dir_name, which must be free), then apply retention."""
+        if name is not None and name != commit.checkpoint_name(iteration):
+            commit.check_name_free(self.storage, name)
+        marker = Marker(name=name or commit.checkpoint_name(iteration), iteration=iteration,
+                        attempt=attempt, files=commit.merge_rank_files(per_rank_files), metrics=metrics,
                         committed_at=time.time())
-        commit.commit(self.storage, commit.staging_name(iteration, attempt, self.storage), marker)
+        commit.commit(self.storage, commit.staging_name(iteration, attempt, self.storage, name), marker)
         self.committed.append(marker)
         self.retain()
         return marker

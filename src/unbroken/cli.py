@@ -171,6 +171,10 @@ def cmd_show(args: argparse.Namespace) -> int:
              a["resumed_from"] or "-", a["error"] or "-"] for a in s.attempts]
     print(_table(["#", "STATUS", "STARTED", "ENDED", "WORKERS", "RESUMED FROM", "ERROR"], rows, indent=2)
           if rows else "  none")
+    for a in s.attempts:
+        if a.get("config_change"):
+            print(f"  attempt {a['number']} continued the run with a changed configuration:")
+            print("\n".join(f"  {line}" for line in mf.config_change_lines(a["config_change"])))
 
     print("\ncheckpoints (file sizes checked; `unbroken verify` also checks hashes)")
     rows = [[c.name, _state(c), _or_dash(c.iteration), _or_dash(c.attempt), _or_dash(c.files),

@@ -18,13 +18,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from unbroken import faults
-from unbroken.errors import CheckpointConflictError, TornCheckpointError
+from unbroken.errors import CheckpointConflictError, CheckpointNameError, TornCheckpointError
 from unbroken.storage import Storage, is_full
 
 MARKER = ".checkpoint.json"
 MARKER_VERSION = 1
 _NAME = re.compile(r"^checkpoint_(\d{6,})$")
-_LEFTOVER = re.compile(r"^checkpoint_(\d{6,})\.(tmp|del)-[\w-]+$")
+# A staged checkpoint (always under its default name), or one being deleted (any name).
+_LEFTOVER = re.compile(r"^(checkpoint_(\d{6,})\.(tmp|del)-[\w-]+|[^.][^/]*\.del-\d+)$")
+# What a name given with train.report(checkpoint_dir_name=...) may be: one path component of
+# ordinary characters, not hidden, and clear of the suffixes the protocol itself uses.
+_CUSTOM_NAME = re.compile(r"^[\w=+,@-][\w=+,@.-]{0,199}$")
+_RESERVED_PARTS = (".tmp-", ".del-", ".corrupt-")
 # Below this many bytes a checkpoint's hashes are checked on every restore.
 FULL_VERIFY_BYTES = 64 << 20
 
@@ -75,10 +80,55 @@ def iteration_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def staging_name(iteration: int, attempt: int, storage: Storage) -> str:
-    """Where ranks write a checkpoint's files before it commits."""
-    name = checkpoint_name(iteration)
-    return f"{name}.tmp-{attempt}" if storage.renames_atomically else name
+def staging_name(iteration: int, attempt: int, storage: Storage, name: str | None = None) -> str:
+    """Where ranks write a checkpoint's files before it commits: a temp directory under the
+    default name locally (renamed to `name` at the commit, so a custom name needs no cleanup
+    rule of its own), the final directory itself on object stores."""
+    if storage.renames_atomically:
+        return f"{checkpoint_name(iteration)}.tmp-{attempt}"
+    return name or checkpoint_name(iteration)
+
+
+def check_custom_name(name: Any) -> str:
+    """`name` if it may name a checkpoint directory (`train.report(checkpoint_dir_name=...)`),
+    else CheckpointNameError saying why."""
+    if not isinstance(name, str):
+        raise CheckpointNameError(f"checkpoint_dir_name must be a str, got {type(name).__name__}")
+    if not _CUSTOM_NAME.match(name) or any(part in name for part in _RESERVED_PARTS):
+        raise CheckpointNameError(
+            f"checkpoint_dir_name {name!r} cannot name a checkpoint directory. Hint: use one path "
+            "component of letters, digits and _ = + , @ . - (up to 200 characters, not starting "
+            "with '.', without '.tmp-', '.del-' or '.corrupt-'), e.g. f'epoch_{epoch}'")
+    if _NAME.match(name):
+        raise CheckpointNameError(
+            f"checkpoint_dir_name {name!r} looks like a default checkpoint name, which is reserved "
+            "for reports without a name. Hint: leave checkpoint_dir_name out to get it, or choose "
+            "another name, e.g. f'epoch_{epoch}'")
+    return name
+
+
+def check_name_free(storage: Storage, name: str) -> None:
+    """CheckpointNameError if the run directory already has a checkpoint, or anything else,
+    called `name`. On object stores only a committed checkpoint counts: an upload that never
+    committed is staged in place and is written over."""
+    taken = storage.exists(name) if storage.renames_atomically else storage.exists(f"{name}/{MARKER}")
+    if taken:
+        raise CheckpointNameError(
+            f"checkpoint_dir_name {name!r} is already taken in run {storage.url()!r}: checkpoint "
+            "names must be unique within a run. Hint: include the epoch or step in the name, "
+            "e.g. f'epoch_{epoch}', so that each report's checkpoint gets its own")
+
+
+def round_name(iteration: int, named: dict[int, str | None]) -> str:
+    """The directory name of the checkpoint of report round `iteration`: the name its ranks
+    with files gave (they must agree), or the default one. `named`: rank -> the name it gave."""
+    given = {rank: n for rank, n in named.items() if n is not None}
+    if len(set(given.values())) > 1:
+        listed = ", ".join(f"rank {r}: {n!r}" for r, n in sorted(given.items()))
+        raise CheckpointNameError(
+            f"report {iteration}: the ranks gave different checkpoint_dir_name values ({listed}) "
+            "for one checkpoint. Hint: pass the same name on every rank, e.g. f'epoch_{epoch}'")
+    return next(iter(given.values()), None) or checkpoint_name(iteration)
 
 
 def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) -> list[FileEntry]:
@@ -199,12 +249,28 @@ def remove_leftovers(storage: Storage, ended_attempts: int) -> None:
 
 
 def scan(storage: Storage) -> tuple[list[str], list[str]]:
-    """(checkpoint directory names, oldest first; uncommitted leftovers) in a run directory."""
-    names, leftovers = [], []
+    """(checkpoint directory names, oldest first; uncommitted leftovers) in a run directory.
+
+    A default name (`checkpoint_000007`) is a checkpoint, committed or torn. Any other
+    directory is one when it holds a marker (a custom `checkpoint_dir_name`); its marker says
+    its iteration, and one whose marker does not read sorts last, so that restore checks it
+    first and sets it aside."""
+    names: list[tuple[float, str]] = []
+    leftovers = []
     for entry in storage.listdir():
-        if _NAME.match(entry):
-            names.append(entry)
+        iteration = iteration_of(entry)
+        if iteration is not None:
+            names.append((iteration, entry))
         elif _LEFTOVER.match(entry):
             leftovers.append(entry)
-    names.sort(key=lambda n: iteration_of(n) or 0)
-    return names, leftovers
+        elif _may_be_custom(entry) and storage.exists(f"{entry}/{MARKER}"):
+            try:
+                names.append((read_marker(storage, entry).iteration, entry))
+            except TornCheckpointError:
+                names.append((float("inf"), entry))
+    names.sort()
+    return [name for _, name in names], leftovers
+
+
+def _may_be_custom(entry: str) -> bool:
+    return bool(_CUSTOM_NAME.match(entry)) and not any(part in entry for part in _RESERVED_PARTS)

@@ -53,16 +53,25 @@ class FailureConfig:
     `hang_timeout_s`: when no rank has reported for this long (counted from the attempt's
     start and from each report), the worker group is treated as hung (a deadlocked
     collective, a rank stuck in I/O) and handled like a worker failure. None: wait forever.
+
+    Ray Train V2's `controller_failure_limit` and `max_preemption_failures` (-1: unlimited,
+    the default) are accepted so that V2 scripts run unchanged, and have no effect: the
+    controller is the driver process itself (a killed driver's run continues when the script
+    runs again), and a preemption signal to the driver commits a checkpoint and stops the run
+    as INTERRUPTED rather than counting as a failure. `fail_fast` (V1) raises at the first failure.
     """
 
     max_failures: int = 0
     fail_fast: bool = False
     hang_timeout_s: float | None = None
+    controller_failure_limit: int = -1
+    max_preemption_failures: int = -1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_failures, int) or self.max_failures < -1:
-            raise ValueError(f"FailureConfig.max_failures must be an int >= -1 (-1: unlimited), "
-                             f"got {self.max_failures!r}")
+        for name in ("max_failures", "controller_failure_limit", "max_preemption_failures"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise ValueError(f"FailureConfig.{name} must be an int >= -1 (-1: unlimited), got {value!r}")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:
             raise ValueError(f"FailureConfig.hang_timeout_s must be None or > 0, got {self.hang_timeout_s!r}")
 
@@ -84,7 +93,16 @@ class CheckpointConfig:
 
 @dataclass
 class RunConfig:
-    """Where a run lives and how it behaves. `name` and `storage_path` identify the run."""
+    """Where a run lives and how it behaves. `name` and `storage_path` identify the run.
+
+    `resume`: what fit() does with an existing run of the same name ("auto": continue it;
+    "never": refuse; "must": refuse when there is none). `allow_config_change`: continue an
+    existing run even where this script's configuration (train_loop_config, other plain
+    arguments, dataset names) differs from the one the run was started with, for example to
+    train a finished run for more epochs; the change is recorded with the attempt and shown
+    by `unbroken show`. Without it such a fit() raises IdentityMismatchError, so that two
+    configurations are never mixed in one run by accident.
+    """
 
     name: str | None = None
     storage_path: str | None = None
@@ -95,10 +113,14 @@ class RunConfig:
     callbacks: list[Any] | None = None
     verbose: int = 1
     resume: Literal["auto", "never", "must"] = "auto"
+    allow_config_change: bool = False
 
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never", "must"):
             raise ValueError(f"RunConfig.resume must be 'auto', 'never' or 'must', got {self.resume!r}")
+        if not isinstance(self.allow_config_change, bool):
+            raise TypeError(f"RunConfig.allow_config_change must be True or False, got "
+                            f"{self.allow_config_change!r}")
         if self.failure_config is None:
             self.failure_config = FailureConfig()
         if self.checkpoint_config is None:

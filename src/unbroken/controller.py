@@ -20,19 +20,22 @@ from typing import Any
 import cloudpickle
 
 from unbroken import manifest as mf
+from unbroken.callbacks import failed_rank
 from unbroken.checkpoint import Checkpoint
-from unbroken.commit import Marker, checkpoint_name
+from unbroken.commit import Marker, round_name
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.engine import make_worker_group
 from unbroken.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.engine.worker import WorkerPayload
 from unbroken.errors import (
+    ControllerError,
     LeaseLostError,
     StorageError,
     TrainingFailedError,
     TrainingInterruptedError,
     WorkerDied,
     WorkerError,
+    WorkerGroupError,
 )
 from unbroken.failure_policy import FailureDecision, FailurePolicy
 from unbroken.preemption import Interrupts
@@ -126,7 +129,7 @@ class Controller:
                 self._record(self.run.finish, mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
                 if not isinstance(error, Exception):
                     raise
-                raise TrainingFailedError(
+                raise _failed(error,
                     f"training failed in attempt {attempt} of run {self.run.path!r}: {_first_line(error)}\n"
                     f"The run and its checkpoints are kept. After fixing the cause, continue it with "
                     f"{self.restore_hint}") from error
@@ -257,9 +260,10 @@ class Controller:
 
     def _complete_round(self, group: WorkerGroup, iteration: int, by_rank: dict[int, Report]) -> None:
         files = [by_rank[r].files for r in sorted(by_rank) if by_rank[r].files is not None]
-        row = self.run.record(iteration, by_rank[0].metrics, checkpoint_name(iteration) if files else None)
-        if files:
-            self.run.commit_checkpoint(iteration, files, row)
+        name = round_name(iteration, {r: m.name for r, m in by_rank.items() if m.files is not None})
+        row = self.run.record(iteration, by_rank[0].metrics, name if files else None)
+        marker = self.run.commit_checkpoint(iteration, files, row, name) if files else None
+        self.run.reported([by_rank[r].metrics for r in sorted(by_rank)], marker)
         stop, checkpoint = _stop_met(self.run_config.stop, row), False
         if self.state is ControllerState.STOPPING:
             if self._asked_at is None:
@@ -279,6 +283,15 @@ class Controller:
         if self.run_config.verbose >= 2:
             log.info("run %s: %s", self.run.manifest.name,
                      {k: v for k, v in row.items() if k not in ("timestamp",)})
+
+
+def _failed(error: Exception, message: str) -> TrainingFailedError:
+    """What fit() raises when it gives up: WorkerGroupError when a rank raised, died or hung,
+    ControllerError when the driver's own work failed (both are TrainingFailedErrors)."""
+    rank = failed_rank(error)
+    if rank >= 0 or isinstance(error, WorkerError):
+        return WorkerGroupError(message, {rank: error})
+    return ControllerError(message, error)
 
 
 def _first_line(error: BaseException) -> str:

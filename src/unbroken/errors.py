@@ -88,6 +88,35 @@ class CheckpointConflictError(UnbrokenError, ValueError):
     """Two ranks attached different files under the same name to one checkpoint."""
 
 
+class CheckpointNameError(CheckpointConflictError):
+    """train.report(checkpoint_dir_name=...) gave a name that cannot name a checkpoint
+    directory, that the run already has, or that differs between the ranks of one report.
+    Never retried: a restart would give the same name again."""
+
+
+class UnsupportedOptionError(UnbrokenError, ValueError):
+    """A Ray Train option that unbroken does not support; the message says what to do instead."""
+
+
+class WorkerGroupError(TrainingFailedError):
+    """fit() gave up after a failure in the worker group: a rank raised, died or hung.
+
+    `worker_failures` maps the failed rank (-1 when unknown) to its error (Ray Train V2)."""
+
+    def __init__(self, message: str, worker_failures: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.worker_failures = dict(worker_failures or {})
+
+
+class ControllerError(TrainingFailedError):
+    """fit() gave up after a failure in the driver itself (storage, a commit, the run's
+    bookkeeping); `controller_failure` is that error (Ray Train V2)."""
+
+    def __init__(self, message: str, controller_failure: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.controller_failure = controller_failure
+
+
 class MetricsNotSerializableError(UnbrokenError, TypeError):
     """train.report got a metric value that cannot be recorded as JSON."""
 

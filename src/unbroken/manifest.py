@@ -46,6 +46,23 @@ class Attempt:
     ended_at: float | None = None
     status: str = RUNNING
     error: str | None = None
+    # The identity the fit() that started this attempt changed, by key path:
+    # {"train_loop_config.epochs": {"saved": 8, "now": 10}} (a side is absent where the key was).
+    # Only in run.json when there is one, so that runs without changes read as before.
+    config_change: dict[str, dict[str, Any]] | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Attempt:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def config_change_lines(change: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per changed key: `  key: saved X -> now Y` (values as JSON, "(absent)")."""
+    def show(side: dict[str, Any], key: str) -> str:
+        return json.dumps(side[key], default=repr) if key in side else "(absent)"
+    return [f"  {key}: saved {show(sides, 'saved')} -> now {show(sides, 'now')}"
+            for key, sides in sorted(change.items())]
 
 
 @dataclass
@@ -74,12 +91,16 @@ class RunManifest:
     package_version: str = __version__
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True, default=repr).encode()
+        raw = asdict(self)
+        for attempt in raw["attempts"]:
+            if attempt["config_change"] is None:
+                del attempt["config_change"]
+        return json.dumps(raw, indent=1, sort_keys=True, default=repr).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> RunManifest:
         raw = versioned_fields(json.loads(data), cls, SCHEMA_VERSION, where, "storage")
-        raw["attempts"] = [Attempt(**a) for a in raw.get("attempts", [])]
+        raw["attempts"] = [Attempt.from_dict(a) for a in raw.get("attempts", [])]
         return cls(**raw)
 
     @property

@@ -18,11 +18,13 @@ from unbroken.commit import FileEntry
 
 @dataclass(slots=True)
 class Report:
-    """A rank's report N: its metrics, and the files it staged for checkpoint N (if any)."""
+    """A rank's report N: its metrics, the files it staged for checkpoint N (if any), and
+    the checkpoint directory name it gave with them (None: the default name)."""
 
     iteration: int
     metrics: dict[str, Any]
     files: list[FileEntry] | None = None
+    name: str | None = None
 
 
 @dataclass(slots=True)

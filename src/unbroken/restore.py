@@ -34,7 +34,7 @@ from unbroken.errors import (
     UnknownOverrideError,
     UnsavableArgumentError,
 )
-from unbroken.manifest import FINISHED, SCHEMA_VERSION, RunManifest
+from unbroken.manifest import FINISHED, SCHEMA_VERSION, RunManifest, config_change_lines
 from unbroken.manifest import is_run_dir as manifest_exists
 from unbroken.manifest import load as load_manifest
 from unbroken.pickled import (
@@ -228,29 +228,44 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: obj}
 
 
-def identity_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def identity_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What differs between two identities, by key path: {key: {"saved": a, "now": b}}, a
+    side left out where the key is absent (the form `Attempt.config_change` records)."""
     a, b = _flatten(saved), _flatten(now)
-    missing = object()
-    lines = []
+    changes: dict[str, dict[str, Any]] = {}
     for key in sorted(set(a) | set(b)):
-        old, new = a.get(key, missing), b.get(key, missing)
-        if old != new:
-            show = lambda v: "(absent)" if v is missing else json.dumps(v, default=repr)  # noqa: E731
-            lines.append(f"  {key}: saved {show(old)} -> now {show(new)}")
-    return lines
+        if key not in a or key not in b or a[key] != b[key]:
+            changes[key] = {side: ident[key] for side, ident in (("saved", a), ("now", b)) if key in ident}
+    return changes
 
 
-def check_identity(manifest: RunManifest, trainer_class: type, init_args: dict, path: str) -> None:
-    """Auto-resume guard: raise IdentityMismatchError with the diff and the two ways out."""
-    lines = identity_diff(manifest.identity, identity(trainer_class, init_args))
+def identity_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return config_change_lines(identity_changes(saved, now))
+
+
+def check_identity(manifest: RunManifest, trainer_class: type, init_args: dict, path: str,
+                   allow_change: bool = False) -> None:
+    """Auto-resume guard: raise IdentityMismatchError with the diff and the ways out, unless
+    `allow_change` (RunConfig.allow_config_change) accepts it; a different trainer class is
+    never accepted."""
+    now = identity(trainer_class, init_args)
+    lines = identity_diff(manifest.identity, now)
     if not lines:
         return
     diff = "\n".join(lines)
     cls = trainer_class.__name__
+    if manifest.identity.get("trainer_class") not in (None, now["trainer_class"]):
+        raise IdentityMismatchError(
+            f"the run at {path!r} was started by another trainer class:\n{diff}\nHint: run it with "
+            f"{manifest.trainer_class.split(':')[-1]}, or give RunConfig a new name for a separate run.")
+    if allow_change:
+        return
     raise IdentityMismatchError(
         f"the run at {path!r} was started with a different configuration:\n{diff}\n"
-        f"Hint: to amend the run on purpose, call {cls}.restore({path!r}, <changed argument>=...)"
-        f".fit(); to start a separate run, give RunConfig a new name.")
+        f"Hint: to continue this run with the new configuration (e.g. more epochs), pass "
+        f"RunConfig(..., allow_config_change=True); the change is recorded with the attempt. "
+        f"To start a separate run, give RunConfig a new name. (Or amend it explicitly: "
+        f"{cls}.restore({path!r}, <changed argument>=...).fit().)")
 
 
 # -- saving -------------------------------------------------------------------------------
@@ -459,22 +474,27 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
 
     manifest = opening.existing(
         RUN, storage, exists=restored or manifest_exists(storage), restored=restored, resume=config.resume,
-        check_identity=lambda m: check_identity(m, cls, trainer._init_args, path))
-    if manifest is not None and manifest.status == FINISHED and not trainer._restore_overrides:
+        check_identity=lambda m: check_identity(m, cls, trainer._init_args, path, config.allow_config_change))
+    changed = manifest is not None and bool(identity_changes(manifest.identity, saved.fields["identity"]))
+    if manifest is not None and manifest.status == FINISHED and not (trainer._restore_overrides or changed):
         log.info("run %s already finished; returning its stored result", path)
         return None, Result.from_path(path, config.storage_filesystem)
 
     with opening.leased(RUN, storage, manifest, _new_manifest) as (lease, manifest, previous):
-        if previous is not None:
-            _log_amendments(manifest, saved, path)
+        change = _amendments(manifest, saved, path) if previous is not None else {}
         write_trainer(storage, manifest, saved)
-        return Run(storage, manifest, previous, lease, config.checkpoint_config), None
+        run = Run(storage, manifest, previous, lease, config.checkpoint_config)
+        run.config_change = change or None
+        return run, None
 
 
-def _log_amendments(manifest: RunManifest, saved: SavedTrainer, path: str) -> None:
-    diff = identity_diff(manifest.identity, saved.fields["identity"])
-    if diff:
-        log.warning("run %s is amended on restore:\n%s", path, "\n".join(diff))
+def _amendments(manifest: RunManifest, saved: SavedTrainer, path: str) -> dict[str, dict[str, Any]]:
+    """Log how this fit() changes the run's identity and code; returns the identity change."""
+    change = identity_changes(manifest.identity, saved.fields["identity"])
+    if change:
+        log.warning("run %s continues with a changed configuration:\n%s", path,
+                    "\n".join(config_change_lines(change)))
     for name, fp in saved.fields["code_fingerprints"].items():
         if manifest.code_fingerprints.get(name) not in (None, fp):
             log.info("run %s: %s changed since the run was saved; using the new code", path, name)
+    return change

@@ -6,10 +6,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken import commit, history
+from unbroken import commit, history, return_value
 from unbroken import manifest as mf
 from unbroken.checkpoint import Checkpoint
-from unbroken.errors import TornCheckpointError, TrainingFailedError
+from unbroken.errors import TornCheckpointError, TrainingFailedError, UnknownMetricError
 from unbroken.storage import Storage
 
 log = logging.getLogger("unbroken")
@@ -26,6 +26,37 @@ class Result:
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     status: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    # Every committed checkpoint with its row, oldest first (get_best_checkpoint ranks them).
+    checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list, repr=False)
+    # The attempt whose training function's return value `return_value` reads (0: none).
+    _returned_in: int = field(default=0, repr=False)
+
+    @property
+    def return_value(self) -> Any:
+        """What the training function returned on rank 0 (Ray Train V2), or None when it
+        returned nothing, or the run did not finish. Read on access: a value that is not plain
+        data was pickled, and reading it unpickles it (trust the run directory)."""
+        if not self._returned_in:
+            return None
+        return return_value.load(Storage.from_url(self.path), self._returned_in)
+
+    def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
+        """The committed checkpoint whose row has the highest (`mode="max"`) or lowest
+        (`"min"`) `metric`, the newest on a tie; None when the run has no checkpoint.
+        UnknownMetricError when no checkpoint's row has the metric."""
+        if mode not in ("max", "min"):
+            raise ValueError(f"get_best_checkpoint(mode=...) must be 'max' or 'min', got {mode!r}")
+        if not self.checkpoints:
+            return None
+        scored = [(c, m[metric]) for c, m in self.checkpoints
+                  if isinstance(m.get(metric), (int, float)) and not isinstance(m.get(metric), bool)]
+        if not scored:
+            raise UnknownMetricError(
+                f"no checkpoint of run {self.path!r} has a numeric metric {metric!r}. Hint: the rows "
+                f"of its checkpoints have: {', '.join(sorted(self.checkpoints[-1][1]))}")
+        sign = 1 if mode == "max" else -1
+        best = max(range(len(scored)), key=lambda i: (sign * scored[i][1], i))
+        return scored[best][0]
 
     @property
     def metrics_dataframe(self) -> Any:
@@ -68,6 +99,8 @@ class Result:
                               if n in markers],
             status=manifest.status,
             rows=rows,
+            checkpoints=[(handle(n), m.metrics) for n, m in markers.items()],
+            _returned_in=manifest.attempt_count if manifest.status == mf.FINISHED else 0,
         )
 
     def __repr__(self) -> str:

@@ -39,6 +39,8 @@ class Run:
         self._time_base = 0.0
         self._last_report_t = 0.0
         self.callbacks = CallbackList()  # the trainer sets RunConfig.callbacks and the progress display
+        # How this fit() changed the run's identity (recorded with its first attempt), or None.
+        self.config_change: dict[str, dict[str, Any]] | None = None
 
     @property
     def path(self) -> str:
@@ -60,7 +62,8 @@ class Run:
         self.attempt = Attempt(number=self.manifest.attempt_count + 1, started_at=time.time(),
                                resumed_from=resume.name if resume else None,
                                resumed_iteration=resume.iteration if resume else 0,
-                               num_workers=num_workers)
+                               num_workers=num_workers, config_change=self.config_change)
+        self.config_change = None  # a restart within this fit() changes nothing more
         self.manifest.attempts.append(self.attempt)
         self.manifest.status = mf.RUNNING
         self._sync_checkpoint_fields()
@@ -115,15 +118,20 @@ class Run:
         return row
 
     def commit_checkpoint(self, iteration: int, per_rank_files: list[list[FileEntry]],
-                          row: dict) -> Marker:
+                          row: dict, name: str | None = None) -> Marker:
         assert self.attempt is not None
         self.history.sync()
-        marker = self.checkpoints.commit(iteration, self.attempt.number, per_rank_files, row)
+        marker = self.checkpoints.commit(iteration, self.attempt.number, per_rank_files, row, name)
         self._sync_checkpoint_fields()
         self.save_manifest()
         self.lease.beat()
         self.callbacks.checkpoint(marker)
         return marker
+
+    def reported(self, metrics: list[dict[str, Any]], marker: Marker | None) -> None:
+        """A report round is recorded and its checkpoint (if any) committed: `metrics` holds
+        what each rank reported, in rank order (for V2's `UserCallback.after_report`)."""
+        self.callbacks.reported(metrics, marker)
 
     def _sync_checkpoint_fields(self) -> None:
         latest = self.checkpoints.latest

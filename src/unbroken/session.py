@@ -11,19 +11,33 @@ message each way with no polling.
 from __future__ import annotations
 
 import inspect
+import logging
+import pickle
+import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from unbroken import faults
+from unbroken import faults, return_value
 from unbroken.checkpoint import Checkpoint
-from unbroken.commit import staging_name, write_rank_files
+from unbroken.commit import (
+    check_custom_name,
+    check_name_free,
+    read_marker,
+    scan,
+    staging_name,
+    write_rank_files,
+)
+from unbroken.errors import TornCheckpointError
 from unbroken.history import check_json_metrics
 from unbroken.protocol import Reply, Report
-from unbroken.storage import Storage
+from unbroken.report_config import ReportedCheckpoint
+from unbroken.storage import Storage, split_run_url
 
 if TYPE_CHECKING:
     from unbroken.engine.base import Channel
 
+
+log = logging.getLogger("unbroken")
 
 NO_REPLY = Reply()
 
@@ -109,12 +123,33 @@ class TrainContext:
     def get_attempt(self) -> int:
         return self.attempt
 
+    def get_storage(self) -> StorageContext:
+        """Where the run lives: its storage root, filesystem and directory (Ray Train V2)."""
+        storage = self._info.storage
+        return StorageContext(storage_path=self.storage_path, experiment_dir_name=self.experiment_name,
+                              storage_filesystem=storage.fs, experiment_fs_path=storage.path(),
+                              storage_fs_path=split_run_url(storage.path())[0])
+
     def should_checkpoint(self) -> bool:
         """True when the driver asks for a checkpoint at this report (e.g. on preemption).
 
         Every rank gets the same answer for the same report.
         """
         return self._session.should_checkpoint()
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """What `train.get_context().get_storage()` returns: the storage root as configured
+    (`storage_path`), the run's directory name in it (`experiment_dir_name`), the fsspec
+    filesystem, and the root and the run directory as paths on that filesystem. Write your
+    own files elsewhere than the run directory: its contents belong to unbroken."""
+
+    storage_path: str
+    experiment_dir_name: str
+    storage_filesystem: Any
+    storage_fs_path: str
+    experiment_fs_path: str
 
 
 class Session:
@@ -143,9 +178,15 @@ class Session:
         self._take_reply()
         return self._reply.checkpoint
 
-    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
+               name: str | None = None, delete_local: bool = False) -> None:
+        """Send this rank's report; with `checkpoint`, stage its files first (under the
+        checkpoint directory `name` when given) and then, with `delete_local`, delete the
+        local directory."""
         check_json_metrics(metrics)
-        self._take_reply()
+        if name is not None:
+            check_custom_name(name)
+        self._take_reply()  # from here on, every earlier report's checkpoint is committed
         iteration = self.iteration + 1
         files = None
         if checkpoint is not None:
@@ -156,10 +197,15 @@ class Session:
                 raise ValueError(f"train.report needs a checkpoint in a local directory, got "
                                  f"{checkpoint.path}. Hint: write the files to a temporary "
                                  "directory and pass Checkpoint.from_directory(it)")
-            staging = staging_name(iteration, self.info.attempt, self.info.storage)
-            files = write_rank_files(self.info.storage, staging, checkpoint.path, self.info.world_rank)
+            storage = self.info.storage
+            if name is not None:
+                check_name_free(storage, name)
+            staging = staging_name(iteration, self.info.attempt, storage, name)
+            files = write_rank_files(storage, staging, checkpoint.path, self.info.world_rank)
+            if delete_local:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
         asked = self._reply.checkpoint
-        self.channel.send(Report(iteration, metrics, files))
+        self.channel.send(Report(iteration, metrics, files, name if files is not None else None))
         faults.point("after_report")
         self.iteration = iteration
         self.reports += 1
@@ -181,6 +227,31 @@ class Session:
 
     def get_checkpoint(self) -> Checkpoint | None:
         return self.info.checkpoint
+
+    def reported_checkpoints(self) -> list[ReportedCheckpoint]:
+        """The run's committed checkpoints, oldest first, once the checkpoint of this rank's
+        latest report is committed (the driver's reply to it says so)."""
+        self._take_reply()
+        storage = self.info.storage
+        out = []
+        for name in scan(storage)[0]:
+            try:
+                marker = read_marker(storage, name)
+            except TornCheckpointError:
+                continue
+            out.append(ReportedCheckpoint(Checkpoint(storage.url(name), storage.filesystem_arg),
+                                          marker.metrics))
+        return out
+
+    def save_return_value(self, value: Any) -> None:
+        """Keep what rank 0's training function returned, for `Result.return_value`."""
+        if self.info.world_rank != 0 or value is None:
+            return  # None is what a Result reads when the finishing attempt wrote nothing
+        try:
+            return_value.save(self.info.storage, self.info.attempt, value)
+        except (TypeError, AttributeError, pickle.PicklingError) as e:
+            log.warning("the training function's return value (%s) cannot be saved (%s); "
+                        "Result.return_value will be None", type(value).__name__, e)
 
     def get_dataset_shard(self, name: str) -> Any:
         if name not in self.datasets:

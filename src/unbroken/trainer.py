@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from unbroken import manifest as mf
 from unbroken import restore as rs
+from unbroken import session as _session
 from unbroken.backend import Backend
 from unbroken.callbacks import CallbackList
 from unbroken.checkpoint import Checkpoint
@@ -136,7 +137,8 @@ class DataParallelTrainer(BaseTrainer):
         self.backend_config = backend_config
 
     def training_loop(self) -> None:
-        self._call_train_loop()
+        value = self._call_train_loop()
+        _session.current("training_loop()").save_return_value(value)  # Result.return_value
 
     def _call_train_loop(self) -> Any:
         """Call `train_loop_per_worker` (with the config, unless it takes no argument); returns

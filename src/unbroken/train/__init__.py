@@ -1,8 +1,10 @@
 """unbroken.train: the Ray Train-style API for restorable training runs.
 
 Driver side: configs, trainers, Checkpoint, Result, and the callbacks that observe a run
-(Callback, TensorBoardLoggerCallback, MLflowLoggerCallback). Worker side (inside the training
-function): report, get_checkpoint, get_context, get_dataset_shard.
+(Callback, UserCallback, TensorBoardLoggerCallback, MLflowLoggerCallback). Worker side
+(inside the training function): report, get_checkpoint, get_all_reported_checkpoints,
+get_context, get_dataset_shard, and the `collective` operations. Ray Train V2 scripts port by
+changing their imports; docs/porting-from-ray.md lists each Ray name and what unbroken does.
 """
 
 from __future__ import annotations
@@ -10,36 +12,76 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken import session as _session
-from unbroken.callbacks import Callback, RunInfo
+from unbroken.callbacks import Callback, RunInfo, UserCallback
 from unbroken.checkpoint import Checkpoint
 from unbroken.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from unbroken.errors import TrainingFailedError
+from unbroken.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from unbroken.mlflow_logger import MLflowLoggerCallback
+from unbroken.report_config import (
+    CheckpointConsistencyMode,
+    CheckpointUploadMode,
+    ReportedCheckpoint,
+    delete_after_upload,
+)
 from unbroken.result import Result
-from unbroken.session import TrainContext
+from unbroken.session import StorageContext, TrainContext
 from unbroken.tensorboard_logger import TensorBoardLoggerCallback
+from unbroken.train import collective
 from unbroken.trainer import BaseTrainer, DataParallelTrainer
 
 __all__ = [
-    "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "DataParallelTrainer", "FailureConfig",
-    "MLflowLoggerCallback", "Result", "RunConfig", "RunInfo", "ScalingConfig", "TensorBoardLoggerCallback",
-    "TrainContext", "TrainingFailedError",
-    "get_checkpoint", "get_context", "get_dataset_shard", "report",
+    "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "CheckpointConsistencyMode",
+    "CheckpointUploadMode", "ControllerError", "DataParallelTrainer", "FailureConfig",
+    "MLflowLoggerCallback", "ReportedCheckpoint", "Result", "RunConfig", "RunInfo", "ScalingConfig",
+    "StorageContext", "TensorBoardLoggerCallback", "TrainContext", "TrainingFailedError", "UserCallback",
+    "WorkerGroupError",
+    "collective", "get_all_reported_checkpoints", "get_checkpoint", "get_context", "get_dataset_shard",
+    "report",
 ]
 
 
-def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
+def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
+           checkpoint_dir_name: str | None = None,
+           checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC,
+           delete_local_checkpoint_after_upload: bool | None = None,
+           checkpoint_upload_fn: Any = None, validation: Any = False,
+           validate_fn: Any = None, validate_config: Any = None) -> None:
     """Record one iteration's metrics (rank 0's are kept), optionally with checkpoint files.
 
     Collective: every rank calls it the same number of times. Any subset of ranks may attach
     a checkpoint directory; their files merge into one committed checkpoint.
+
+    Ray Train V2's options: `checkpoint_dir_name` names the committed checkpoint directory
+    (unique within the run, the same on every rank that gives one; default
+    `checkpoint_<iteration>`). `checkpoint_upload_mode` SYNC or ASYNC (both stage this rank's
+    files before returning, and neither waits for the commit; NO_UPLOAD is refused).
+    `delete_local_checkpoint_after_upload` deletes the reported local directory once its files
+    are staged (default: True for ASYNC, False for SYNC). `checkpoint_upload_fn` and
+    validation (`validation`, `validate_fn`, `validate_config`) are refused with
+    UnsupportedOptionError, which says what to do instead.
     """
-    _session.current("train.report()").report(metrics, checkpoint)
+    delete_local = delete_after_upload(checkpoint_upload_mode, delete_local_checkpoint_after_upload,
+                                       checkpoint_upload_fn, validation, validate_fn, validate_config)
+    _session.current("train.report()").report(metrics, checkpoint, checkpoint_dir_name,
+                                              delete_local and checkpoint is not None)
 
 
 def get_checkpoint() -> Checkpoint | None:
     """The checkpoint to resume from: the run's latest committed one, or resume_from_checkpoint."""
     return _session.current("train.get_checkpoint()").get_checkpoint()
+
+
+def get_all_reported_checkpoints(
+        consistency_mode: CheckpointConsistencyMode = CheckpointConsistencyMode.VALIDATED,
+        timeout_s: float | None = None) -> list[ReportedCheckpoint]:
+    """Every committed checkpoint of the run so far, oldest first, with its metric row (Ray
+    Train V2). Waits until the checkpoint of this rank's latest report is committed, which
+    the driver does without waiting for anything else (so `timeout_s` is accepted and
+    unused); both consistency modes mean committed, as unbroken has no validation. Includes
+    earlier attempts' checkpoints, and not the ones retention (`num_to_keep`) deleted."""
+    if not isinstance(consistency_mode, CheckpointConsistencyMode):
+        raise TypeError(f"consistency_mode must be a CheckpointConsistencyMode, got {consistency_mode!r}")
+    return _session.current("train.get_all_reported_checkpoints()").reported_checkpoints()
 
 
 def get_context() -> TrainContext:
