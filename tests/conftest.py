@@ -16,6 +16,12 @@ import unbroken.train.torch  # noqa: F401
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The Ray engine's tests run last: they attach this process to a Ray cluster, whose threads
+    would make every later local-engine test start its workers from a forkserver (slower)."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
 @pytest.fixture
 def storage(tmp_path):
     return str(tmp_path / "results")

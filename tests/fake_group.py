@@ -102,6 +102,8 @@ class FakeRank:
 class FakeWorkerGroup:
     """`num_workers` scripted ranks; `scripts[rank]` is what rank does, step by step."""
 
+    spans_machines = False
+
     def __init__(self, scripts: list[list[tuple]]) -> None:
         self.num_workers = len(scripts)
         self.ranks = [FakeRank(list(s)) for s in scripts]

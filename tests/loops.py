@@ -30,7 +30,7 @@ def linear_loop(config: dict) -> None:
 
     Fault knobs (all optional): fail_at=(iteration, attempt) raises on rank 1;
     kill_worker_at=(iteration, attempt) SIGKILLs rank 1; hang_at=(iteration, attempt) blocks rank 1
-    forever; print progress lines with `echo`; on_request: also checkpoint when asked to.
+    forever (after creating the file `hang_marker`, if given); print progress lines with `echo`; on_request: also checkpoint when asked to.
     """
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -59,6 +59,8 @@ def linear_loop(config: dict) -> None:
                     f.write(repr(__import__("time").time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if tuple(config.get("hang_at") or ()) == (it, ctx.get_attempt()) and rank == world - 1:
+            if config.get("hang_marker"):
+                open(config["hang_marker"], "w").close()
             threading.Event().wait()  # a stuck rank: the others block in the next allreduce
         metrics = {"loss": loss.item(), "it": it}
         # should_checkpoint() is true on every rank for the same report (asked on preemption).

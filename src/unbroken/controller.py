@@ -26,7 +26,7 @@ from unbroken.commit import Marker, round_name
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.engine import make_worker_group
 from unbroken.engine.base import Placement, WorkerGroup, WorkerGroupFactory
-from unbroken.engine.worker import WorkerPayload
+from unbroken.engine.worker import PROBE, WorkerPayload
 from unbroken.errors import (
     ControllerError,
     LeaseLostError,
@@ -113,7 +113,8 @@ class Controller:
         group = None
         try:
             group = self.group_factory(self.scaling)
-            group.start(functools.partial(self._payload, resume))
+            probe = self.run.write_probe(PROBE) if group.spans_machines else None
+            group.start(functools.partial(self._payload, resume, probe))
             self.state = ControllerState.RUNNING
             self._drive(group)
         except BaseException as error:
@@ -168,7 +169,7 @@ class Controller:
             f"run {self.run.path!r} was interrupted by {self.interrupts.signal_name}; {where}.\n"
             f"Continue it with {self.restore_hint}") from None
 
-    def _payload(self, resume: Marker | None, placement: Placement) -> WorkerPayload:
+    def _payload(self, resume: Marker | None, probe: str | None, placement: Placement) -> WorkerPayload:
         run, scaling = self.run, self.scaling
         checkpoint = None
         if resume is not None:
@@ -181,7 +182,8 @@ class Controller:
             experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
             attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
             checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
-            cpus=scaling.cpus_per_worker(), use_gpu=scaling.use_gpu,
+            cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
+            node_address=placement.node_address, probe=probe,
             **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
         return WorkerPayload(info=info, trainer=self._worker_trainer)
 

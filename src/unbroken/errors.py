@@ -167,9 +167,11 @@ class WorkerDied(UnbrokenError, RuntimeError):
     into a WorkerError."""
 
     def __init__(self, rank: int, *, exit_code: int | None = None, signal_name: str | None = None,
-                 node_lost: str | None = None, engine: str = "local") -> None:
+                 node_lost: str | None = None, cause: str | None = None, engine: str = "local") -> None:
         if node_lost is not None:
             how = f"was lost with its node ({node_lost})"
+        elif cause is not None:
+            how = f"died: {cause}"
         elif signal_name is not None:
             how = f"was killed by {signal_name}"
         else:
@@ -179,9 +181,25 @@ class WorkerDied(UnbrokenError, RuntimeError):
         self.exit_code = exit_code
         self.signal_name = signal_name
         self.node_lost = node_lost
+        self.cause = cause
 
     @property
     def violent(self) -> bool:
-        """Killed (a signal, the OOM killer) or lost with its node, rather than exiting: when
-        its peers fail at the same moment, this is the root cause of their errors."""
-        return self.signal_name is not None or self.node_lost is not None
+        """Killed (a signal, the OOM killer, an engine's verdict) or lost with its node, rather
+        than exiting: when its peers fail at the same moment, this is the root cause of their
+        errors."""
+        return self.signal_name is not None or self.node_lost is not None or self.cause is not None
+
+
+class StorageNotSharedError(StorageError):
+    """A worker on another node does not see the run directory the driver wrote: the storage
+    path is not shared by every node of the cluster."""
+
+
+class VersionMismatchError(UnbrokenError, RuntimeError):
+    """A node runs other versions of Python, torch or unbroken than the driver."""
+
+
+class MissingDependencyError(UnbrokenError, ImportError):
+    """An optional package that the asked-for feature needs is not installed; the message
+    names the extra to install."""

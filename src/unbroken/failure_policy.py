@@ -5,7 +5,13 @@ from __future__ import annotations
 import enum
 
 from unbroken.config import FailureConfig
-from unbroken.errors import CheckpointConflictError, LeaseLostError, ReportMismatchError
+from unbroken.errors import (
+    CheckpointConflictError,
+    LeaseLostError,
+    ReportMismatchError,
+    StorageNotSharedError,
+    VersionMismatchError,
+)
 
 
 class FailureDecision(enum.Enum):
@@ -14,7 +20,8 @@ class FailureDecision(enum.Enum):
 
 
 # Failures that a restart would only repeat.
-_NOT_RETRYABLE = (ReportMismatchError, CheckpointConflictError, LeaseLostError)
+_NOT_RETRYABLE = (ReportMismatchError, CheckpointConflictError, LeaseLostError, StorageNotSharedError,
+                  VersionMismatchError)
 
 
 class FailurePolicy:

@@ -4,6 +4,7 @@ and checkpoints, while its driver holds the lease."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import traceback
 from typing import Any
@@ -48,6 +49,13 @@ class Run:
 
     def save_manifest(self) -> None:
         self._previous = mf.save(self.storage, self.manifest, self._previous)
+
+    def write_probe(self, rel: str) -> str:
+        """Write a fresh random token to `rel` in the run directory; returns it (workers on
+        other nodes read it back to check that they share the run's storage)."""
+        token = secrets.token_hex(16)
+        self.storage.write_atomic(rel, token.encode())
+        return token
 
     # -- attempts -----------------------------------------------------------------------
     def begin_attempt(self, num_workers: int) -> Marker | None:

@@ -71,6 +71,9 @@ class WorkerInfo:
     trial_id: str | None = None
     trial_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    node_id: str = ""                 # the engine's name for this rank's machine
+    node_address: str = "127.0.0.1"   # where the other ranks reach this rank's machine
+    probe: str | None = None          # the token the driver wrote for `engine.worker` to check
 
 
 class TrainContext:

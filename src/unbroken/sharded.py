@@ -47,20 +47,19 @@ def shard_dir(attempt: int | None) -> str:
     return f"dcp-a{attempt}" if attempt else "dcp"
 
 
-def save(directory: str, model: Any, optimizer: Any | None, *, durable: bool = False) -> list[str]:
+def save(directory: str, model: Any, optimizer: Any | None) -> list[str]:
     """Write this rank's shards of `model` (and `optimizer`) into `directory`, and DCP's
     `.metadata` on rank 0; returns the names of the files this rank wrote. Collective: every
     rank of the process group calls it, with the same `directory` name or one of its own.
 
-    `durable`: fsync each file (DCP writes `.metadata` last, through a temp file and a rename).
-    Not needed when the files are written to a temporary directory and copied into the run
-    afterwards, as the copy is fsynced."""
+    The files are not fsynced here: the report that stages them makes them durable (it
+    flushes each file while summing it for the commit marker, and fsyncs the directories)."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-    metadata = dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=durable))
+    metadata = dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
     # The index lists every rank's files (dcp.save returns the global metadata on every rank);
     # rank r's data files are named __<r>_<n>.distcp, and rank 0 (the coordinator) wrote the index.
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -19,6 +19,7 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import fsspec
@@ -365,10 +366,12 @@ class Storage:
         path = self.path(rel)
         if os.path.exists(path) and os.path.samefile(local_src, path):
             # Already written in place (a link to it was handed in: TrainState's sharded files):
-            # copying a file onto itself would empty it. Make it durable and sum it.
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            return _local_sum(path)
+            # copying a file onto itself would empty it. Flush it to disk while summing it.
+            with open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
+                synced = pool.submit(os.fsync, f.fileno())
+                sums = _local_sum(path)
+                synced.result()
+            return sums
         crc, size = 0, 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(local_src, "rb") as src, open(path, "wb") as dst:

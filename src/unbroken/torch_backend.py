@@ -57,15 +57,16 @@ class TorchBackend(Backend):
             return
         backend = self.config.backend or ("nccl" if info.use_gpu else "gloo")
         timeout = datetime.timedelta(seconds=self.config.timeout_s)
-        # Rank 0 binds a free port itself and tells the others: no port race on a busy machine.
+        # Rank 0 binds a free port itself and tells the others where it is, on its node's
+        # address: no port race on a busy machine.
         if info.world_rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, info.world_size, is_master=True,
+            store = dist.TCPStore(info.node_address, 0, info.world_size, is_master=True,
                                   timeout=timeout, wait_for_workers=False)
-            port = rendezvous(store.port)
+            host, port = rendezvous((info.node_address, store.port))
         else:
-            port = rendezvous(None)
-            store = dist.TCPStore("127.0.0.1", port, info.world_size, is_master=False, timeout=timeout)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            host, port = rendezvous(None)
+            store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
         dist.init_process_group(backend, store=store, rank=info.world_rank,
                                 world_size=info.world_size, timeout=timeout)
 

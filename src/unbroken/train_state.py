@@ -252,8 +252,8 @@ class TrainState:
         return self._write(os.fspath(directory))
 
     def _write(self, directory: str, shards_in: str | None = None) -> list[str]:
-        """`save`; with `shards_in` (a directory), the shards are written there, durably, and
-        `directory` gets links to them, which the report stages without copying them again."""
+        """`save`; with `shards_in` (a directory), the shards are written there and `directory`
+        gets links to them, which the report stages without copying them again."""
         rank, world_size = worker_ranks()
         written = []
         sharded = self.sharded_names()
@@ -265,11 +265,9 @@ class TrainState:
             model = _unwrap(self._objects["model"])
             optimizer = self._objects["optimizer"] if "optimizer" in sharded else None
             local = os.path.join(directory, shards)
-            if shards_in is None:
-                names = sharded_mod.save(local, model, optimizer)
-            else:
-                target = os.path.join(shards_in, shards)
-                names = sharded_mod.save(target, model, optimizer, durable=True)
+            target = os.path.join(shards_in, shards) if shards_in is not None else local
+            names = sharded_mod.save(target, model, optimizer)
+            if target != local:
                 os.makedirs(local)
                 for name in names:
                     os.symlink(os.path.join(target, name), os.path.join(local, name))

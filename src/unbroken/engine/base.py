@@ -6,8 +6,8 @@ asks a `WorkerGroup` to place and start the ranks, hands each rank a payload, an
 exchanges `unbroken.protocol` messages with them, learns from the group when a rank is lost
 and why (`WorkerDied`, an engine-neutral cause), and kills the group. Each rank talks to the
 driver through a `Channel`, a two-way link that the engine provides and the worker's
-`Session` uses. The local engine (`engine.local`) is one implementation; a test's fake
-group (`tests/fake_group.py`) is another.
+`Session` uses. The local engine (`engine.local`) and the Ray engine (`engine.ray`) are two
+implementations; a test's fake group (`tests/fake_group.py`) is another.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Placement:
     local_world_size: int
     node_id: str        # the engine's name for the machine (a hostname, a Ray node id)
     node_address: str   # where other ranks reach this node (rank 0's is the rendezvous host)
+    cpus: int = 1       # the CPU threads the rank may use (torch's intra-op threads)
 
 
 class Channel(Protocol):
@@ -67,6 +68,9 @@ class WorkerGroup(Protocol):
     """
 
     num_workers: int
+    spans_machines: bool
+    """Ranks may run on machines other than the driver's: before training, each checks that it
+    sees the run directory the driver wrote (storage must be shared by every node)."""
 
     def start(self, payload: Callable[[Placement], Any]) -> list[Placement]:
         """Place every rank (all or none: a group that cannot place every rank raises, naming

@@ -122,8 +122,11 @@ def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
 class LocalWorkerGroup:
     """Worker processes on this machine, addressed by rank: a `WorkerGroup` (engine.base)."""
 
-    def __init__(self, num_workers: int) -> None:
+    spans_machines = False
+
+    def __init__(self, num_workers: int, cpus: int = 1) -> None:
         self.num_workers = num_workers
+        self.cpus = cpus
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._selector = selectors.DefaultSelector()
@@ -137,7 +140,7 @@ class LocalWorkerGroup:
         host = socket.gethostname()
         n = self.num_workers
         placements = [Placement(rank=r, node_rank=0, local_rank=r, local_world_size=n, node_id=host,
-                                node_address="127.0.0.1") for r in range(n)]
+                                node_address="127.0.0.1", cpus=self.cpus) for r in range(n)]
         for p in placements:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_process, name=f"unbroken-worker-{p.rank}",

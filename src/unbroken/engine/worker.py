@@ -19,6 +19,7 @@ import cloudpickle
 
 from unbroken import session as session_mod
 from unbroken.engine.base import Channel
+from unbroken.errors import StorageNotSharedError
 from unbroken.protocol import Done, Failed, Outcome, Rendezvous
 from unbroken.session import Session, StopTraining, WorkerInfo
 
@@ -42,6 +43,26 @@ def _set_up(info: WorkerInfo) -> None:
         info.storage, info.checkpoint = cloudpickle.loads(cloudpickle.dumps((info.storage, info.checkpoint)))
 
 
+PROBE = ".unbroken/probe"
+
+
+def check_storage_shared(info: WorkerInfo) -> None:
+    """Fail before training when this rank does not see the probe the driver wrote into the
+    run directory: a storage path that is not shared by every node (a local disk path on a
+    cluster) would scatter the run's checkpoints over the nodes."""
+    try:
+        seen = info.storage.read_bytes(PROBE).decode()
+    except (OSError, ValueError) as e:
+        seen = f"nothing ({type(e).__name__})"
+    if seen != info.probe:
+        raise StorageNotSharedError(
+            f"rank {info.world_rank} on node {info.node_address} ({info.node_id}) does not see the run "
+            f"directory {info.storage.url()!r} the driver wrote: its probe file {PROBE} holds {seen!r} "
+            "there. Hint: every node must see the same storage at the same path: a shared file "
+            "system (NFS) mounted at the same place, or an object store (s3://...) for "
+            "RunConfig(storage_path=...)")
+
+
 def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
     """Run one rank's part of an attempt; sends the outcome (Done or Failed) to the driver as
     the last message, and returns it."""
@@ -62,6 +83,8 @@ def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
     outcome: Outcome
     try:
         try:
+            if info.probe is not None:
+                check_storage_shared(info)
             backend.on_start(session, rendezvous)
             try:
                 trainer.training_loop()

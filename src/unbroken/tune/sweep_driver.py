@@ -34,6 +34,7 @@ from typing import Any
 
 from unbroken import faults, history
 from unbroken import manifest as mf
+from unbroken.engine import engine_env
 from unbroken.engine.local import start_method
 from unbroken.engine.process import Carried
 from unbroken.errors import TrainingInterruptedError, UnbrokenError
@@ -253,7 +254,8 @@ class SweepDriver:
         ctx = mp.get_context(self._method)
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=trial_main, name=f"unbroken-trial-{record.name}",
-                           args=(Carried(TrialPayload(trainer, url, info)), writer, os.getpid()))
+                           args=(Carried(TrialPayload(trainer, url, info, engine_env())), writer,
+                                 os.getpid()))
         # Blocked around the fork: a signal meant for the sweep cannot hit the new process
         # while it still has the sweep driver's handlers; it is delivered after the fork.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, set(_TERMINAL))

@@ -175,6 +175,7 @@ class TrialPayload:
     trainer: BaseTrainer
     path: str                 # the trial's run directory
     info: dict[str, Any]      # trial_name, trial_id, trial_dir for train.get_context()
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # set in the trial's process
 
 
 def _set_up_process(parent_pid: int | None) -> None:
@@ -231,6 +232,7 @@ def run_trial(payload: TrialPayload) -> str:
 def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
     """The body of a trial's process."""
     _set_up_process(parent_pid)
+    os.environ.update(carried.obj.env)
     outcome: TrialOutcome
     try:
         outcome = TrialDone(run_trial(carried.obj))

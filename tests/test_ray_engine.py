@@ -1,0 +1,266 @@
+"""The Ray engine on a real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`:
+a head with no CPUs and two nodes with one CPU each), killing ranks, removing nodes and
+killing the driver. These tests run last (see conftest): they attach the test process to Ray,
+whose threads make later local-engine tests start their workers from a forkserver."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from conftest import read_until, start_script  # noqa: E402
+from loops import final_weights  # noqa: E402
+from ray_loops import placed_loop  # noqa: E402
+from test_exact_resume import BASE, assert_same_run, exact_loop  # noqa: E402
+from unbroken.engine import make_worker_group, resolve_engine  # noqa: E402
+from unbroken.errors import InsufficientResourcesError, StorageNotSharedError  # noqa: E402
+from unbroken.train import (  # noqa: E402
+    CheckpointConfig,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+)
+from unbroken.train.torch import TorchTrainer  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+MB = 2**20
+NODE = {"num_cpus": 1, "object_store_memory": 80 * MB}
+OTHER_ROOT = "UNBROKEN_TEST_OTHER_ROOT"  # set on node_b only: NodeLocalFS sees another tree there
+
+
+def _add_node(cluster, name: str, env: dict[str, str] | None = None):
+    return cluster.add_node(**NODE, resources={name: 1}, env_vars=env or {})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    other = str(tmp_path_factory.mktemp("other-root"))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                      "object_store_memory": 80 * MB})
+    _add_node(c, "node_a")
+    _add_node(c, "node_b", {OTHER_ROOT: other})
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    c.other_root = other
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def trainer(storage: str, name: str, directory: str, max_failures: int = 0, **config) -> TorchTrainer:
+    failures = FailureConfig(max_failures=max_failures, hang_timeout_s=120)  # a safety net only
+    return TorchTrainer(placed_loop, train_loop_config={"iterations": 8, "dir": directory, **config},
+                        scaling_config=ScalingConfig(num_workers=2, engine="ray"),
+                        run_config=RunConfig(name=name, storage_path=storage, verbose=0,
+                                             failure_config=failures))
+
+
+def placements_of(directory: str, attempt: int, ranks: int = 1) -> list[dict]:
+    return [json.load(open(os.path.join(directory, f"rank{r}-a{attempt}.json"))) for r in range(ranks)]
+
+
+def placements(directory: str, attempt: int) -> list[dict]:
+    return placements_of(directory, attempt, 2)
+
+
+def iterations(result) -> list[int]:
+    return result.metrics_dataframe["training_iteration"].tolist()
+
+
+def attempts_at(path: str) -> list[dict]:
+    return json.load(open(os.path.join(path, ".unbroken", "run.json")))["attempts"]
+
+
+def attempts(result) -> list[dict]:
+    return attempts_at(result.path)
+
+
+def printed_rows(out: str) -> list[int]:
+    """The iterations a driver script printed after "ROWS" (Ray's log lines may follow)."""
+    return json.loads(out.split("ROWS", 1)[1].splitlines()[0])
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Wait for something another process does (a file appears, a process ends)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+# -- placement -----------------------------------------------------------------------------
+def test_auto_picks_ray_once_the_driver_joined_a_cluster(cluster):
+    assert resolve_engine(ScalingConfig(engine="auto")) == "ray"
+    assert resolve_engine(ScalingConfig(engine="local")) == "local"
+
+
+def test_ranks_are_actors_on_distinct_nodes_ordered_by_node(cluster, storage, tmp_path):
+    result = TorchTrainer(
+        placed_loop, train_loop_config={"iterations": 4, "dir": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2, engine="auto", placement_strategy="STRICT_SPREAD"),
+        run_config=RunConfig(name="spread", storage_path=storage, verbose=0)).fit()
+    ranks = placements(str(tmp_path), 1)
+    assert len({r["node_id"] for r in ranks}) == 2
+    assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in ranks] == [(0, 0, 1), (1, 0, 1)]
+    assert iterations(result) == [1, 2, 3, 4]
+    wait_for(lambda: not any(alive(r["pid"]) for r in ranks), "the actors to be killed", 20)
+
+
+def test_a_cluster_without_room_fails_with_the_missing_resources(cluster, storage, monkeypatch):
+    monkeypatch.setattr("unbroken.engine.ray.PLACEMENT_TIMEOUT_S", 1.0)
+    group = make_worker_group(ScalingConfig(num_workers=3, engine="ray", placement_strategy="STRICT_SPREAD"))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(InsufficientResourcesError,
+                           match=r"could not place 3 workers.*CPU: 3 needed, 2 in the cluster.*Hint"):
+            group.start(lambda p: None)
+    finally:
+        group.shutdown(kill=True)
+    assert time.monotonic() - t0 < 10
+    # The placement group is gone: the cluster's CPUs are free again.
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == 2, "the CPUs to be released", 10)
+
+
+def test_a_node_that_sees_other_storage_fails_before_training(cluster, tmp_path):
+    from fsspec.implementations.dirfs import DirFileSystem
+
+    class NodeLocalFS(DirFileSystem):
+        """A directory that resolves, on each node, under that node's own root when it has one
+        (a local disk path on a cluster: each node sees its own)."""
+
+        def __reduce__(self):
+            return (_node_local_fs, (self.path,))
+
+    root = str(tmp_path / "shared")
+    os.makedirs(root)
+    with pytest.raises(TrainingFailedError) as info:
+        TorchTrainer(placed_loop, train_loop_config={"iterations": 2, "dir": str(tmp_path)},
+                     scaling_config=ScalingConfig(num_workers=2, engine="ray",
+                                                  placement_strategy="STRICT_SPREAD"),
+                     run_config=RunConfig(name="unshared", storage_path="runs", verbose=0,
+                                          storage_filesystem=NodeLocalFS(path=root),
+                                          failure_config=FailureConfig(max_failures=3))).fit()
+    error = info.value.__cause__
+    assert isinstance(error, StorageNotSharedError), error
+    assert "does not see the run directory" in str(error) and "Hint" in str(error)
+    node_b = [n for n in ray.nodes() if n["Resources"].get("node_b")][0]["NodeManagerAddress"]
+    assert f"on node {node_b}" in str(error)
+    assert not os.path.exists(tmp_path / "rank0-a2.json"), "a storage error must not be retried"
+
+
+def _node_local_fs(path: str):
+    from fsspec.implementations.dirfs import DirFileSystem
+
+    other = os.environ.get(OTHER_ROOT)
+    return DirFileSystem(path=os.path.join(other, "elsewhere") if other else path)
+
+
+# -- failures ------------------------------------------------------------------------------
+def test_a_killed_rank_restarts_the_group_from_the_checkpoint(cluster, storage, tmp_path):
+    result = trainer(storage, "killed-rank", str(tmp_path), max_failures=1, kill_worker_at=[5, 1]).fit()
+    assert iterations(result) == list(range(1, 9))
+    first, second = attempts(result)
+    assert first["status"] == "ERRORED" and "died" in first["error"], first["error"]
+    assert second["resumed_from"] == "checkpoint_000004"
+
+
+def test_a_removed_node_is_a_lost_rank_and_the_run_finishes_on_a_replacement(cluster, storage, tmp_path):
+    marker = str(tmp_path / "hung")
+    driver = start_script(f"""
+from test_ray_engine import trainer
+result = trainer({storage!r}, "lost-node", {str(tmp_path)!r}, max_failures=1, ckpt_every=1,
+                 hang_at=[3, 1], hang_marker={marker!r}).fit()
+print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
+""", RAY_ADDRESS=cluster.address)
+    wait_for(lambda: os.path.exists(marker) or driver.poll() is not None, "rank 1 to block", 120)
+    node_id = placements(str(tmp_path), 1)[1]["node_id"]
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id)
+    name = "node_b" if "node_b" in resources else "node_a"
+    cluster.remove_node(node, allow_graceful=False)
+    _add_node(cluster, name, {OTHER_ROOT: cluster.other_root} if name == "node_b" else {})
+    out, err = driver.communicate(timeout=180)
+    assert driver.returncode == 0, err
+    assert printed_rows(out) == list(range(1, 9))
+    first, second = attempts_at(os.path.join(storage, "lost-node"))
+    assert first["status"] == "ERRORED" and "lost with its node" in first["error"], first["error"]
+    assert second["resumed_from"] == "checkpoint_000002"
+    assert node_id not in {r["node_id"] for r in placements(str(tmp_path), 2)}
+
+
+def test_a_killed_driver_leaves_no_actor_and_restore_from_another_process_continues(
+        cluster, storage, tmp_path):
+    env = {"RAY_ADDRESS": cluster.address}
+    script = f"""
+import sys
+from test_ray_engine import trainer
+trainer({storage!r}, "driver-kill", {str(tmp_path)!r}, echo=True, iterations=40).fit()
+"""
+    proc = start_script(script, **env)
+    read_until(proc, "REPORTED 3")
+    pids = [r["pid"] for r in placements(str(tmp_path), 1)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_for(lambda: not any(alive(pid) for pid in pids), "the driver's actors to die", 20)
+    restore = start_script(f"""
+from unbroken.train.torch import TorchTrainer
+result = TorchTrainer.restore({os.path.join(storage, "driver-kill")!r}).fit()
+print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
+""", **env)
+    out, err = restore.communicate(timeout=180)
+    assert restore.returncode == 0, err
+    assert printed_rows(out) == list(range(1, 41))
+
+
+def test_exact_resume_on_ray_equals_the_local_engine_bit_for_bit(cluster, storage):
+    config = {**BASE, "kill_at": [[7, 1, 1, "sigkill"]]}
+
+    def run(engine: str, name: str, **extra):
+        return TorchTrainer(exact_loop, train_loop_config={**config, **extra},
+                            scaling_config=ScalingConfig(num_workers=2, engine=engine),
+                            run_config=RunConfig(name=name, storage_path=storage, verbose=0,
+                                                 failure_config=FailureConfig(max_failures=1))).fit()
+
+    local = run("local", "local", kill_at=[])
+    on_ray = run("ray", "ray")
+    assert [a["status"] for a in attempts(on_ray)] == ["ERRORED", "FINISHED"]
+    assert_same_run(on_ray, local, "Ray engine with a killed rank vs the local engine uninterrupted")
+
+
+# -- sweeps --------------------------------------------------------------------------------
+def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, tmp_path):
+    from unbroken import tune
+
+    base = TorchTrainer(placed_loop, train_loop_config={"iterations": 3, "dir": str(tmp_path)},
+                        scaling_config=ScalingConfig(num_workers=1, engine="ray"),
+                        run_config=RunConfig(checkpoint_config=CheckpointConfig(num_to_keep=1)))
+    tuner = tune.Tuner(base, param_space={"train_loop_config": {"lr": tune.grid_search([0.1, 0.2, 0.3])}},
+                       tune_config=tune.TuneConfig(max_concurrent_trials=2),
+                       run_config=RunConfig(name="sweep", storage_path=storage, verbose=0))
+    grid = tuner.fit()
+    assert len(grid) == 3 and not grid.errors
+    assert all(r.metrics["training_iteration"] == 3 for r in grid)
+    workers = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")}
+    assert placements_of(str(tmp_path), 1)[0]["node_id"] in workers  # trials' ranks ran as actors
+    assert all(final_weights(r) for r in grid)
+    assert tune.Tuner.restore(os.path.join(storage, "sweep"), base).fit().num_terminated == 3
