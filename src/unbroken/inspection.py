@@ -29,9 +29,9 @@ COMMITTED = "committed"      # the marker reads and the files match it (as far a
 TORN = "torn"                # no readable marker, or a file is missing or has the wrong size
 CORRUPTED = "corrupted"      # every file is there with its size, but a hash does not match
 UNCOMMITTED = "uncommitted"  # a staging or half-deleted directory: never a checkpoint
-QUARANTINED = "quarantined"  # set aside by an earlier resume as checkpoint_NNNNNN.corrupt-N
+QUARANTINED = "quarantined"  # set aside by an earlier resume as <name>.corrupt-N
 
-_QUARANTINED = re.compile(r"^checkpoint_(\d{6,})\.corrupt-\d+$")
+_QUARANTINED = re.compile(r"^[^.].*\.corrupt-\d+$")
 _ANY_CHECKPOINT = re.compile(r"^checkpoint_(\d{6,})")
 _TAIL_BYTES = 64 << 10
 _CHUNK = 8 << 20

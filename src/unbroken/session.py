@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from unbroken import faults, return_value
 from unbroken.checkpoint import Checkpoint
 from unbroken.commit import (
-    check_custom_name,
     check_name_free,
     read_marker,
     scan,
@@ -184,11 +183,9 @@ class Session:
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
                name: str | None = None, delete_local: bool = False) -> None:
         """Send this rank's report; with `checkpoint`, stage its files first (under the
-        checkpoint directory `name` when given) and then, with `delete_local`, delete the
-        local directory."""
+        checkpoint directory `name` when given, checked by `commit.check_custom_name`) and
+        then, with `delete_local`, delete the local directory."""
         check_json_metrics(metrics)
-        if name is not None:
-            check_custom_name(name)
         self._take_reply()  # from here on, every earlier report's checkpoint is committed
         iteration = self.iteration + 1
         files = None

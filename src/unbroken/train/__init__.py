@@ -14,6 +14,7 @@ from typing import Any
 from unbroken import session as _session
 from unbroken.callbacks import Callback, RunInfo, UserCallback
 from unbroken.checkpoint import Checkpoint
+from unbroken.commit import check_custom_name
 from unbroken.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from unbroken.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from unbroken.mlflow_logger import MLflowLoggerCallback
@@ -60,6 +61,8 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
     validation (`validation`, `validate_fn`, `validate_config`) are refused with
     UnsupportedOptionError, which says what to do instead.
     """
+    if checkpoint_dir_name is not None:
+        check_custom_name(checkpoint_dir_name)
     delete_local = delete_after_upload(checkpoint_upload_mode, delete_local_checkpoint_after_upload,
                                        checkpoint_upload_fn, validation, validate_fn, validate_config)
     _session.current("train.report()").report(metrics, checkpoint, checkpoint_dir_name,
