@@ -5,6 +5,7 @@ uninterrupted run; stop, checkpoint retention and sweeps work through the report
 import importlib
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from conftest import run_json, run_script  # noqa: E402
+from conftest import TESTS, driver_env, run_json, run_script  # noqa: E402
 from integration_checks import (  # noqa: E402
     DRIVER,
     assert_equal_tensors,
@@ -185,3 +186,12 @@ def test_unbroken_train_imports_neither_framework():
                      "if m in sys.modules))")
     assert out.stdout.strip() == "[]"
 
+
+
+@pytest.mark.slow
+def test_the_example_runs_and_resumes_exactly(tmp_path):
+    example = os.path.join(TESTS, "..", "examples", "lightning_regression.py")
+    out = subprocess.run([sys.executable, example, "--storage", str(tmp_path)], env=driver_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "final weights identical to the uninterrupted run: True" in out.stdout

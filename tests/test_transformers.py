@@ -5,6 +5,7 @@ through the report callback."""
 
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import run_json, run_script  # noqa: E402
+from conftest import TESTS, driver_env, run_json, run_script  # noqa: E402
 from integration_checks import RESTORE, assert_equal_tensors, check_resumed_like, kill_driver_at  # noqa: E402
 from transformers_loops import final_weights, transformers_loop  # noqa: E402
 from unbroken import tune  # noqa: E402
@@ -119,3 +120,12 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "unbroken.train.huggingface.transformers")
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'unbroken\[transformers\]'"):
         importlib.import_module("unbroken.train.huggingface.transformers")
+
+
+@pytest.mark.slow
+def test_the_example_runs_and_resumes_exactly(tmp_path):
+    example = os.path.join(TESTS, "..", "examples", "transformers_classification.py")
+    out = subprocess.run([sys.executable, example, "--storage", str(tmp_path)], env=driver_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "final weights identical to the uninterrupted run: True" in out.stdout
