@@ -14,6 +14,7 @@ from unbroken.errors import (
     ControllerError,
     IdentityMismatchError,
     UnknownMetricError,
+    UnsupportedAPIError,
     UnsupportedOptionError,
     WorkerGroupError,
 )
@@ -27,7 +28,7 @@ from unbroken.train import (
     ScalingConfig,
     TrainingFailedError,
 )
-from v2_loops import Recorder, epochs_loop, option_loop, shard_loop
+from v2_loops import Recorder, epochs_loop, option_loop, shard_loop, torch_helpers_loop
 
 
 def v2_trainer(loop, storage, name, config, **run):
@@ -278,3 +279,29 @@ def test_custom_names_under_retention_and_a_corrupted_one_set_aside(storage, cap
     assert open(os.path.join(run, "epoch_3", "epoch")).read() == "3"
     states = {c.name: c.state for c in inspection.summarize(run).checkpoints}
     assert states["epoch_3.corrupt-0"] == inspection.QUARANTINED and states["epoch_4"] == inspection.COMMITTED
+
+
+@pytest.mark.parametrize("module,name,hint", [
+    ("unbroken.train", "ValidationConfig", "report the result as a metric"),
+    ("unbroken.train", "DataConfig", "get_dataset_shard"),
+    ("unbroken.train", "get_preemption_info", "should_checkpoint()"),
+    ("unbroken.train.torch", "accelerate", "torch.autocast"),
+    ("unbroken.train.torch", "TorchXLAConfig", "TorchConfig"),
+])
+def test_ray_names_unbroken_does_not_provide_say_what_instead(module, name, hint):
+    with pytest.raises(UnsupportedAPIError, match="Hint") as refused:
+        exec(f"from {module} import {name}")
+    assert hint in str(refused.value) and isinstance(refused.value, ImportError)
+    assert not hasattr(train, "no_such_name")
+    assert train.TRAIN_DATASET_KEY == "train"
+
+
+def test_torch_helpers_enable_reproducibility_and_get_devices(storage):
+    def fit(name):
+        return DataParallelTrainer(torch_helpers_loop, train_loop_config={"seed": 7},
+                                   run_config=RunConfig(name=name, storage_path=storage)).fit()
+
+    first, second = fit("repro-1"), fit("repro-2")
+    assert first.metrics["deterministic"] is True
+    assert first.return_value == second.return_value
+    assert first.return_value[1] == ["cpu"]

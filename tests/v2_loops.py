@@ -83,3 +83,15 @@ class Recorder(UserCallback):
     def after_exception(self, run_context, worker_exceptions) -> None:
         self._write({"attempt": run_context.attempt,
                      "exception": {str(r): type(e).__name__ for r, e in worker_exceptions.items()}})
+
+
+def torch_helpers_loop(config: dict) -> list:
+    """Ray Train's torch helpers: enable_reproducibility, then two seeded draws; get_devices."""
+    import torch
+
+    from unbroken.train.torch import enable_reproducibility, get_devices
+
+    enable_reproducibility(seed=config["seed"])
+    draw = torch.rand(2).tolist()
+    train.report({"deterministic": torch.are_deterministic_algorithms_enabled()})
+    return [draw, [str(d) for d in get_devices()]]

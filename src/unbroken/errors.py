@@ -98,6 +98,11 @@ class UnsupportedOptionError(UnbrokenError, ValueError):
     """A Ray Train option that unbroken does not support; the message says what to do instead."""
 
 
+class UnsupportedAPIError(UnbrokenError, ImportError):
+    """A Ray Train name that unbroken does not provide, imported from unbroken.train or
+    unbroken.train.torch; the message says what to use instead."""
+
+
 class WorkerGroupError(TrainingFailedError):
     """fit() gave up after a failure in the worker group: a rank raised, died or hung.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from unbroken import ray_names as _ray_names
 from unbroken import session as _session
 from unbroken.callbacks import Callback, RunInfo, UserCallback
 from unbroken.checkpoint import Checkpoint
@@ -37,8 +38,15 @@ __all__ = [
     "StorageContext", "TensorBoardLoggerCallback", "TrainContext", "TrainingFailedError", "UserCallback",
     "WorkerGroupError",
     "collective", "get_all_reported_checkpoints", "get_checkpoint", "get_context", "get_dataset_shard",
-    "report",
+    "report", "TRAIN_DATASET_KEY",
 ]
+
+# The dataset name Ray Train's trainers treat as the training set.
+TRAIN_DATASET_KEY = "train"
+
+
+def __getattr__(name: str) -> Any:
+    _ray_names.refuse(__name__, name)  # a Ray Train name unbroken does not provide: says what instead
 
 
 def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,

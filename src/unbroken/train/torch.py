@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch  # noqa: F401  (imported before the engine forks workers, so they inherit it)
+import torch  # (imported before the engine forks workers, so they inherit it)
 
+from unbroken import ray_names as _ray_names
 from unbroken.checkpoint import Checkpoint
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.engine import local as _local
+from unbroken.reproducibility import enable_reproducibility
 from unbroken.torch_backend import (
     DeviceDataLoader,
     ResumableDataLoader,
@@ -25,7 +27,16 @@ from unbroken.trainer import DataParallelTrainer
 _local.mark_clean()
 
 __all__ = ["DeviceDataLoader", "ResumableDataLoader", "TorchConfig", "TorchTrainer", "TrainState",
-           "get_device", "prepare_data_loader", "prepare_model"]
+           "enable_reproducibility", "get_device", "get_devices", "prepare_data_loader", "prepare_model"]
+
+
+def get_devices() -> list[torch.device]:
+    """This worker's devices (Ray Train V2): one per worker here, `[get_device()]`."""
+    return [get_device()]
+
+
+def __getattr__(name: str) -> Any:
+    _ray_names.refuse(__name__, name)  # a Ray Train name unbroken does not provide: says what instead
 
 
 class TorchTrainer(DataParallelTrainer):
