@@ -252,3 +252,18 @@ def test_a_file_already_in_place_is_summed_not_copied_onto_itself(tmp_path):
     os.symlink(storage.local_path("staged/shard"), tmp_path / "link")
     assert storage.put_file(str(tmp_path / "link"), "staged/shard")[0] == 1000
     assert open(storage.local_path("staged/shard"), "rb").read() == b"x" * 1000
+
+
+@pytest.mark.slow  # a fresh driver per kill: about 6 s each here
+@pytest.mark.parametrize("point", ["after_file_write", "after_fsync", "before_marker", "after_marker",
+                                   "before_rename", "after_rename"])
+def test_killed_inside_the_commit_protocol_resumes_bit_for_bit(storage, reference, point):
+    # The process that passes `point` (a rank while staging, the driver while committing) is
+    # SIGKILLed the n-th time; the restored run must equal the uninterrupted one.
+    nth = rng_for(point).randint(1, 3)
+    context = f"UNBROKEN_TEST_SEED={SEED}, UNBROKEN_FAULT={point}:{nth}"
+    crashed = run_script(DRIVER, storage, "faulted", repr(BASE), check=False, UNBROKEN_FAULT=f"{point}:{nth}")
+    assert crashed.returncode != 0, context
+    result = TorchTrainer.restore(os.path.join(storage, "faulted")).fit()
+    assert attempts(result)[-1] == "FINISHED", context
+    assert_same_run(result, reference, context)

@@ -77,7 +77,8 @@ def load(directory: str, model: Any, optimizer: Any | None) -> None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
     _reader(directory).read_metadata()  # its errors, before DCP wraps them in its own
-    dcp.load(state, storage_reader=_reader(directory), planner=_SafeLoadPlanner())
+    dcp.load(state, storage_reader=_reader(directory), planner=_SafeLoadPlanner(),
+             no_dist=not (dist.is_available() and dist.is_initialized()))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
