@@ -60,7 +60,8 @@ class Regressor(pl.LightningModule):
 
 
 class Probe(pl.Callback):
-    """Test knobs: `kill_at=[epoch, attempt, rank]` SIGKILLs that rank at the epoch's first batch;
+    """Test knobs: `kill_at=[epoch, attempt, rank]` SIGKILLs that rank at the epoch's first batch,
+    `preempt_at=[epoch, attempt, 0]` has rank 0 send SIGTERM to the driver there;
     `echo` prints "REPORTED <epoch>" on rank 0 once the epoch's report has been sent;
     `block_at=[epoch, fifo]` then blocks rank 0 of attempt 1 reading `fifo` (never written)."""
 
@@ -69,9 +70,11 @@ class Probe(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         kill = self.config.get("kill_at")
-        ctx = train.get_context()
-        if kill and [trainer.current_epoch, ctx.get_attempt(), trainer.global_rank] == list(kill):
+        here = [trainer.current_epoch, train.get_context().get_attempt(), trainer.global_rank]
+        if kill and here == list(kill):
             os.kill(os.getpid(), signal.SIGKILL)
+        if batch_idx == 0 and self.config.get("preempt_at") == here[:2] + [0]:
+            os.kill(os.getppid(), signal.SIGTERM)  # the driver (workers are forked from it)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if trainer.global_rank == 0:
