@@ -93,9 +93,10 @@ def test_sync_keeps_the_local_directory(storage):
     assert result.return_value["kept_local"] == [True, True]
 
 
-def test_a_reused_checkpoint_name_is_refused_and_not_retried(storage):
+def test_a_reused_checkpoint_name_is_refused_and_not_retried(storage, tmp_path):
+    log = tmp_path / "callback.jsonl"
     trainer = v2_trainer(shard_loop, storage, "dup", {"epochs": 3, "name": "latest"},
-                         failure_config=FailureConfig(max_failures=3))
+                         failure_config=FailureConfig(max_failures=3), callbacks=[Recorder(str(log))])
     with pytest.raises(WorkerGroupError) as failed:
         trainer.fit()
     assert isinstance(failed.value.__cause__, CheckpointNameError)
@@ -104,6 +105,10 @@ def test_a_reused_checkpoint_name_is_refused_and_not_retried(storage):
     manifest = run_json(os.path.join(storage, "dup"))
     assert len(manifest["attempts"]) == 1  # a restart would give the same name again
     assert manifest["latest_checkpoint"] == "latest"
+    # after_exception names the rank whose report raised.
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert last["attempt"] == 1 and list(last["exception"].values()) == ["CheckpointNameError"]
+    assert list(last["exception"]) in (["0"], ["1"])
 
 
 def test_ranks_that_disagree_on_the_name_fail_the_run(storage):
@@ -305,3 +310,28 @@ def test_torch_helpers_enable_reproducibility_and_get_devices(storage):
     assert first.metrics["deterministic"] is True
     assert first.return_value == second.return_value
     assert first.return_value[1] == ["cpu"]
+
+
+S3_EPOCHS = """
+import sys
+from v2_loops import epochs_loop
+from unbroken.train import DataParallelTrainer, Result, RunConfig, ScalingConfig
+storage, epochs = sys.argv[1], int(sys.argv[2])
+result = DataParallelTrainer(epochs_loop, train_loop_config={"epochs": epochs},
+                             scaling_config=ScalingConfig(num_workers=2),
+                             run_config=RunConfig(name="named", storage_path=storage,
+                                                  allow_config_change=True)).fit()
+print("DONE", result.checkpoint.path.rsplit("/", 1)[1],
+      [c.path.rsplit("/", 1)[1] for c, _ in Result.from_path(result.path).checkpoints])
+"""
+
+
+def test_custom_names_on_an_object_store(s3_endpoint):
+    from conftest import s3_env
+
+    storage = f"s3://bucket/{os.urandom(4).hex()}"
+    first = run_script(S3_EPOCHS, storage, "2", **s3_env(s3_endpoint)).stdout
+    assert "DONE epoch_2 ['epoch_1', 'epoch_2']" in first
+    # A run continued on S3 finds its custom-named checkpoints by their markers.
+    second = run_script(S3_EPOCHS, storage, "3", **s3_env(s3_endpoint)).stdout
+    assert "DONE epoch_3 ['epoch_1', 'epoch_2', 'epoch_3']" in second
