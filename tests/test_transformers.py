@@ -115,6 +115,47 @@ def test_stop_retention_and_a_sweep_over_a_transformers_trainer(storage, tmp_pat
     assert grid.get_best_result().metrics["eval_loss"] == min(r.metrics["eval_loss"] for r in grid)
 
 
+def check_prepare_trainer(config: dict) -> None:
+    """prepare_trainer refuses a Trainer that sees another world size and warns about setups
+    that would report nothing or not resume where the run stopped."""
+    import types
+    import warnings
+
+    import transformers
+
+    from transformers_loops import Sequences, tiny_bert
+    from unbroken import train
+    from unbroken.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
+
+    seen = {}
+    for name, kwargs in [("plain", {}), ("no_save", {"save_strategy": "no"}),
+                         ("no_skip", {"ignore_data_skip": True})]:
+        args = transformers.TrainingArguments(output_dir=config["output_dir"], use_cpu=True, report_to=[],
+                                              **kwargs)
+        t = transformers.Trainer(model=tiny_bert(), args=args, train_dataset=Sequences(8, 0))
+        if name != "plain":
+            t.add_callback(RayTrainReportCallback())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seen[name] = [prepare_trainer(t) is t, [str(w.message) for w in caught]]
+    lone = types.SimpleNamespace(args=types.SimpleNamespace(world_size=1))
+    try:
+        prepare_trainer(lone)
+    except RuntimeError as e:
+        seen["lone"] = str(e)
+    train.report(seen)
+
+
+def test_prepare_trainer_checks_the_world_size_and_warns(storage, tmp_path):
+    seen = TorchTrainer(check_prepare_trainer, train_loop_config={"output_dir": str(tmp_path / "out")},
+                        scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name="prepare", storage_path=storage)).fit().metrics
+    assert seen["plain"][0] and "no RayTrainReportCallback" in seen["plain"][1][0]
+    assert seen["no_save"][0] and "save_strategy='no'" in seen["no_save"][1][0]
+    assert seen["no_skip"][0] and "ignore_data_skip=True" in seen["no_skip"][1][0]
+    assert "sees 1 process(es) but the run has 2" in seen["lone"]
+
+
 def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "unbroken.train.huggingface.transformers")
