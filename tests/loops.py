@@ -30,7 +30,8 @@ def linear_loop(config: dict) -> None:
 
     Fault knobs (all optional): fail_at=(iteration, attempt) raises on rank 1;
     kill_worker_at=(iteration, attempt) SIGKILLs rank 1; hang_at=(iteration, attempt) blocks rank 1
-    forever (after creating the file `hang_marker`, if given); print progress lines with `echo`; on_request: also checkpoint when asked to.
+    forever (after creating the file `hang_marker`, if given); print progress lines with `echo`;
+    on_request: also checkpoint when asked to.
     """
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

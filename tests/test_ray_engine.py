@@ -208,28 +208,39 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
     assert node_id not in {r["node_id"] for r in placements(str(tmp_path), 2)}
 
 
-def test_a_killed_driver_leaves_no_actor_and_restore_from_another_process_continues(
+def test_preempted_then_killed_driver_leaves_no_actor_and_restore_from_another_process_finishes(
         cluster, storage, tmp_path):
     env = {"RAY_ADDRESS": cluster.address}
-    script = f"""
-import sys
-from test_ray_engine import trainer
-trainer({storage!r}, "driver-kill", {str(tmp_path)!r}, echo=True, iterations=40).fit()
-"""
-    proc = start_script(script, **env)
-    read_until(proc, "REPORTED 3")
-    pids = [r["pid"] for r in placements(str(tmp_path), 1)]
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    wait_for(lambda: not any(alive(pid) for pid in pids), "the driver's actors to die", 20)
-    restore = start_script(f"""
+    path = os.path.join(storage, "driver-kill")
+    restore = f"""
 from unbroken.train.torch import TorchTrainer
-result = TorchTrainer.restore({os.path.join(storage, "driver-kill")!r}).fit()
+result = TorchTrainer.restore({path!r}).fit()
 print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
+"""
+    # 1. A preemption notice: the ranks checkpoint at their next report, and the driver stops.
+    first = start_script(f"""
+from test_ray_engine import trainer
+trainer({storage!r}, "driver-kill", {str(tmp_path)!r}, echo=True, on_request=True, iterations=40).fit()
 """, **env)
-    out, err = restore.communicate(timeout=180)
-    assert restore.returncode == 0, err
+    read_until(first, "REPORTED 3")
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=60)
+    assert "TrainingInterruptedError" in err and "latest committed checkpoint is checkpoint_" in err, err
+    interrupted = attempts_at(path)[-1]
+    assert interrupted["status"] == "INTERRUPTED"
+    # 2. Restored in another process, then SIGKILLed: Ray kills its actors with it.
+    second = start_script(restore, **env)
+    read_until(second, "REPORTED")
+    pids = [r["pid"] for r in placements(str(tmp_path), 2)]
+    os.kill(second.pid, signal.SIGKILL)
+    second.wait()
+    wait_for(lambda: not any(alive(pid) for pid in pids), "the killed driver's actors to die", 20)
+    # 3. Restored again: the run finishes with every iteration once.
+    third = start_script(restore, **env)
+    out, err = third.communicate(timeout=180)
+    assert third.returncode == 0, err
     assert printed_rows(out) == list(range(1, 41))
+    assert [a["status"] for a in attempts_at(path)] == ["INTERRUPTED", "ABORTED", "FINISHED"]
 
 
 def test_exact_resume_on_ray_equals_the_local_engine_bit_for_bit(cluster, storage):

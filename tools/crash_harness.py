@@ -6,7 +6,9 @@ SIGKILL the driver at a uniformly random moment, SIGKILL one worker at a random 
 a fault-injection point (`unbroken.faults`) that SIGKILLs a process at one step of the
 commit protocol (file writes, fsync, marker, rename, retention, atomic replaces), every
 rank raising, exiting or being SIGKILLed right after it sent a report, or (where a tmpfs
-can be mounted) a disk that fills up at a random moment. Then the
+can be mounted) a disk that fills up at a random moment; with --ray, the workers are Ray
+actors on a local 2-node Ray cluster, and a launch may also lose a node (removed without
+warning, then replaced). Then the
 run is restored (by `TorchTrainer.restore(path)` or by running the same trainer again
 under its name), again and again, until it finishes.
 
@@ -24,7 +26,7 @@ Invariants checked at every launch and at the end of each trial:
     uninterrupted run's, bit for bit;
   - the final model equals the uninterrupted run's, bit for bit.
 
-Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3]
+Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -77,6 +79,8 @@ def crash_loop(config: dict) -> None:
     """A DDP regression whose checkpoints carry their own hash; logs what each attempt loads."""
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    with open(config["log"] + ".pids", "a") as f:  # where a kill-worker launch finds Ray's actors
+        f.write(f"{os.getpid()}\n")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     model = prepare_model(net)
@@ -198,8 +202,10 @@ def read_log(log: str) -> list[dict]:
 
 
 class Harness:
-    def __init__(self, seed: int, workdir: str, root: str, disk: SmallDisk | None = None) -> None:
+    def __init__(self, seed: int, workdir: str, root: str, disk: SmallDisk | None = None,
+                 cluster: RayCluster | None = None) -> None:
         self.rng = random.Random(seed)
+        self.cluster = cluster  # the Ray cluster the workers run on (--ray), else local workers
         self.workdir = workdir
         self.root = root  # where the runs live: the work directory, or an s3:// prefix
         self.disk = disk  # the tmpfs the runs live on, when one could be mounted
@@ -255,7 +261,9 @@ class Harness:
         if r < 0.72 and self.disk is not None:
             return "disk-full", None, None
         delay = self.rng.uniform(0, self.duration)
-        return ("kill-driver" if r < 0.85 else "kill-worker"), None, delay
+        if r < 0.85:
+            return "kill-driver", None, delay
+        return ("lose-node" if self.cluster is not None and r < 0.92 else "kill-worker"), None, delay
 
     def trial(self, index: int) -> None:
         storage = f"{self.root}/trial-{index}"
@@ -278,12 +286,19 @@ class Harness:
             proc, outcome = self.launch(storage, name, log, how, fault)
             self.counts["launches"] += 1
             proc.join(delay)
-            if proc.is_alive():
+            struck = None
+            if proc.is_alive() and kind == "lose-node":
+                self.cluster.lose_node()
+                self.counts["nodes lost"] += 1
+                kills += 1
+                struck = "lose-node"
+            elif proc.is_alive():
                 victim = proc.pid
                 if kind == "kill-worker":
-                    workers = _children(proc.pid)
+                    workers = self.workers(proc.pid, log)
                     victim = self.rng.choice(workers) if workers else proc.pid
                     self.counts["kills: worker" if workers else "kills: driver"] += 1
+                    struck = "kill-worker" if workers else None
                 else:
                     self.counts["kills: driver"] += 1
                 os.kill(victim, signal.SIGKILL)
@@ -295,6 +310,7 @@ class Harness:
                 self.counts[f"kills at {injected}"] += 1
                 if injected in COMMIT_POINTS + RETENTION_POINTS + WORKER_POINTS:
                     self.counts["kills inside commit"] += 1
+            injected = injected or struck
             result = open(outcome).read() if os.path.exists(outcome) else "killed"
             if kind == "disk-full":
                 self.disk.grow()
@@ -315,6 +331,13 @@ class Harness:
                 self.check_finished(path, index)
                 return
         self.violations.append(f"trial {index}: the run did not finish after {MAX_KILLS + 3} launches")
+
+    def workers(self, driver: int, log: str) -> list[int]:
+        """The live worker processes of the launch: the driver's children, or Ray's actors."""
+        if self.cluster is None:
+            return _children(driver)
+        pids = open(log + ".pids").read().split()[-2:] if os.path.exists(log + ".pids") else []
+        return [int(p) for p in pids if _alive(int(p))]
 
     def check_launch(self, path: str, log: str, before: str | None, attempts_before: int, result: str,
                      injected: str | None, trial: int, launch: int) -> None:
@@ -385,6 +408,14 @@ def _attempt_count(path: str) -> int:
     return len((read_manifest(path) or {}).get("attempts", []))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
@@ -423,6 +454,40 @@ class SmallDisk:
         subprocess.run(["umount", "-l", self.path], capture_output=True)
 
 
+class RayCluster:
+    """A local 2-node Ray cluster in a process of its own (tools/ray_cluster.py): this process
+    forks its drivers, so it must not hold Ray's threads. Drivers find it through RAY_ADDRESS."""
+
+    def __init__(self) -> None:
+        server = os.path.join(os.path.dirname(__file__), "ray_cluster.py")
+        self.proc = subprocess.Popen([sys.executable, server], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.address = self.proc.stdout.readline().split()[1]
+
+    def lose_node(self) -> str:
+        self.proc.stdin.write("lose\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().split()[1]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def ray_cluster(wanted: bool) -> Iterator[RayCluster | None]:
+    if not wanted:
+        yield None
+        return
+    cluster = RayCluster()
+    os.environ["RAY_ADDRESS"] = cluster.address  # the drivers' engine="auto" picks Ray
+    try:
+        yield cluster
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        cluster.close()
+
+
 @contextlib.contextmanager
 def local_disk(workdir: str, wanted: bool) -> Iterator[SmallDisk | None]:
     disk = SmallDisk.mount(os.path.join(workdir, "disk")) if wanted else None
@@ -459,12 +524,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     parser.add_argument("--s3", action="store_true",
                         help="keep the runs on an S3-compatible server (moto) started on loopback")
+    parser.add_argument("--ray", action="store_true",
+                        help="run the workers on a local 2-node Ray cluster (the Ray engine)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \
-            local_disk(workdir, not args.s3) as disk:
-        harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk)
+            local_disk(workdir, not args.s3) as disk, ray_cluster(args.ray) as cluster:
+        harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk, cluster)
         harness.reference()
         for i in range(args.trials):
             seen = len(harness.violations)

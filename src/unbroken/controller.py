@@ -19,6 +19,7 @@ from typing import Any
 
 import cloudpickle
 
+from unbroken import faults
 from unbroken import manifest as mf
 from unbroken.callbacks import failed_rank
 from unbroken.checkpoint import Checkpoint
@@ -183,8 +184,9 @@ class Controller:
             attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
             checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
             cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
-            node_address=placement.node_address, probe=probe,
+            node_address=placement.node_address, probe=probe, env=faults.carried_env(),
             **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
+        info.env.update(self.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
         return WorkerPayload(info=info, trainer=self._worker_trainer)
 
     def _drive(self, group: WorkerGroup) -> None:

@@ -25,6 +25,12 @@ class InjectedFault(RuntimeError):
     """Raised by a fault point whose action is `raise`."""
 
 
+def carried_env() -> dict[str, str]:
+    """The fault settings of this (driver) process, for workers that do not inherit its
+    environment (the Ray engine's actors)."""
+    return {k: v for k in ("UNBROKEN_FAULT", "UNBROKEN_FAULT_LOG") if (v := os.environ.get(k))}
+
+
 def point(name: str) -> None:
     spec = os.environ.get("UNBROKEN_FAULT")
     if not spec:

@@ -1,0 +1,46 @@
+"""A local multi-node Ray cluster in a process of its own, for the crash harness (which forks
+its drivers, and so must not hold Ray's threads itself).
+
+    python tools/ray_cluster.py        # prints "address <gcs address>" once the nodes are up
+
+Starts `ray.cluster_utils.Cluster`: a head with no CPUs and two nodes with one CPU each. Then
+reads commands from stdin, one per line, and answers each with one line:
+  lose       remove a random worker node without warning, add a replacement -> "lost <node id>"
+Ends (and shuts the cluster down) when stdin closes.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+MB = 2**20
+
+
+def main() -> int:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "object_store_memory": 80 * MB})
+    workers = [cluster.add_node(num_cpus=1, object_store_memory=80 * MB) for _ in range(2)]
+    cluster.wait_for_nodes()
+    rng = random.Random()
+    print("address", cluster.address, flush=True)
+    try:
+        for line in sys.stdin:
+            if line.strip() == "lose":
+                node = rng.choice(workers)
+                workers.remove(node)
+                cluster.remove_node(node, allow_graceful=False)
+                workers.append(cluster.add_node(num_cpus=1, object_store_memory=80 * MB))
+                print("lost", node.node_id, flush=True)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
