@@ -28,7 +28,7 @@ from unbroken.train import (
     ScalingConfig,
     TrainingFailedError,
 )
-from v2_loops import Recorder, epochs_loop, option_loop, shard_loop, torch_helpers_loop
+from v2_loops import Recorder, env_loop, epochs_loop, option_loop, shard_loop, torch_helpers_loop
 
 
 def v2_trainer(loop, storage, name, config, **run):
@@ -53,6 +53,15 @@ def test_v2_imports():
     ScalingConfig(num_workers=2, placement_strategy="SPREAD", accelerator_type="A100")
     with pytest.raises(ValueError, match="controller_failure_limit"):
         FailureConfig(controller_failure_limit=-2)
+    with pytest.raises(UnsupportedOptionError, match="env_vars"):
+        RunConfig(worker_runtime_env={"pip": ["requests"]})
+
+
+def test_worker_runtime_env_vars_reach_the_workers(storage):
+    result = DataParallelTrainer(env_loop, train_loop_config={"name": "V2_PORT_CHECK"},
+                                 run_config=RunConfig(name="env", storage_path=storage, worker_runtime_env={
+                                     "env_vars": {"V2_PORT_CHECK": "yes"}})).fit()
+    assert result.return_value == "yes"
 
 
 def test_custom_names_async_metric_only_reports_and_user_callback(storage, tmp_path):

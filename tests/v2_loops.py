@@ -95,3 +95,9 @@ def torch_helpers_loop(config: dict) -> list:
     draw = torch.rand(2).tolist()
     train.report({"deterministic": torch.are_deterministic_algorithms_enabled()})
     return [draw, [str(d) for d in get_devices()]]
+
+
+def env_loop(config: dict) -> str:
+    """Returns the value of the environment variable config["name"] in rank 0."""
+    train.report({"x": 1})
+    return os.environ.get(config["name"], "")

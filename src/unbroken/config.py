@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from unbroken.errors import UnsupportedOptionError
+
 ENGINES = ("auto", "local", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -102,6 +104,10 @@ class RunConfig:
     train a finished run for more epochs; the change is recorded with the attempt and shown
     by `unbroken show`. Without it such a fit() raises IdentityMismatchError, so that two
     configurations are never mixed in one run by accident.
+
+    `worker_runtime_env` (Ray Train V2): only `{"env_vars": {...}}` is supported, set in
+    every worker's environment before the backend starts; the workers run in this Python
+    environment, so Ray's other runtime_env keys (pip, conda, working_dir, ...) are refused.
     """
 
     name: str | None = None
@@ -114,6 +120,7 @@ class RunConfig:
     verbose: int = 1
     resume: Literal["auto", "never", "must"] = "auto"
     allow_config_change: bool = False
+    worker_runtime_env: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never", "must"):
@@ -121,10 +128,29 @@ class RunConfig:
         if not isinstance(self.allow_config_change, bool):
             raise TypeError(f"RunConfig.allow_config_change must be True or False, got "
                             f"{self.allow_config_change!r}")
+        self.worker_env()  # checks worker_runtime_env
         if self.failure_config is None:
             self.failure_config = FailureConfig()
         if self.checkpoint_config is None:
             self.checkpoint_config = CheckpointConfig()
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment variables `worker_runtime_env` sets in each worker."""
+        runtime_env = self.worker_runtime_env or {}
+        if not isinstance(runtime_env, dict):
+            raise TypeError(f"RunConfig.worker_runtime_env must be a dict, got {type(runtime_env).__name__}")
+        others = sorted(set(runtime_env) - {"env_vars"})
+        if others:
+            raise UnsupportedOptionError(
+                f"RunConfig(worker_runtime_env=...) supports only 'env_vars', not {', '.join(others)}: the "
+                "workers run in the driver's Python environment, with its packages and its sys.path. "
+                "Hint: install what the workers need where the script runs, and drop those keys")
+        env_vars = runtime_env.get("env_vars") or {}
+        if not isinstance(env_vars, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+            raise TypeError("RunConfig(worker_runtime_env={'env_vars': ...}) needs a dict of str to str, "
+                            f"got {env_vars!r}")
+        return dict(env_vars)
 
     def resolved_storage_path(self) -> str:
         """The storage root: the given path, else $UNBROKEN_STORAGE, else ~/unbroken_results."""
