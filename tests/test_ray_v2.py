@@ -344,3 +344,22 @@ def test_custom_names_on_an_object_store(s3_endpoint):
     # A run continued on S3 finds its custom-named checkpoints by their markers.
     second = run_script(S3_EPOCHS, storage, "3", **s3_env(s3_endpoint)).stdout
     assert "DONE epoch_3 ['epoch_1', 'epoch_2', 'epoch_3']" in second
+
+
+def test_options_v2_removed_stay_supported_for_v1_scripts(storage):
+    def run_config(name, **kw):
+        return RunConfig(name=name, storage_path=storage, **kw)
+
+    stopped = DataParallelTrainer(epochs_loop, train_loop_config={"epochs": 5},
+                                  run_config=run_config("stop", stop={"training_iteration": 2})).fit()
+    assert stopped.metrics["epoch"] == 2
+    started = DataParallelTrainer(epochs_loop, train_loop_config={"epochs": 3}, run_config=run_config("from"),
+                                  resume_from_checkpoint=stopped.checkpoint).fit()
+    assert list(started.metrics_dataframe["epoch"]) == [3]
+    restored = DataParallelTrainer.restore(started.path, train_loop_config={"epochs": 4}).fit()
+    assert list(restored.metrics_dataframe["epoch"]) == [3, 4]
+    with pytest.raises(WorkerGroupError):
+        DataParallelTrainer(option_loop, train_loop_config={"report": {"validation": True}},
+                            run_config=run_config("fast", failure_config=FailureConfig(max_failures=3,
+                                                                                        fail_fast=True))).fit()
+    assert len(run_json(os.path.join(storage, "fast"))["attempts"]) == 1
