@@ -46,3 +46,14 @@ def test_random_kills_with_runs_on_s3():
 def test_random_kills_on_s3_soak():
     pytest.importorskip("moto")
     check(run_harness(40, "--s3"), 40)
+
+
+def test_random_kills_with_workers_on_a_ray_cluster():
+    pytest.importorskip("ray")
+    check(run_harness(1, "--ray"), 1, commit_kills=0)
+
+
+@pytest.mark.slow
+def test_random_kills_on_a_ray_cluster_soak():
+    pytest.importorskip("ray")
+    check(run_harness(100, "--ray"), 100)
