@@ -203,11 +203,8 @@ def checkpoint_path(checkpoint: Checkpoint | None = None) -> Iterator[str | None
     is none (a fresh run). On remote storage the files are a local copy while the block runs.
     """
     checkpoint = checkpoint if checkpoint is not None else train.get_checkpoint()
-    if checkpoint is None:
-        yield None
-        return
-    with checkpoint.as_directory() as d:
-        yield os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME)
+    with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as d:
+        yield None if d is None else os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME)
 
 
 def fit_or_resume(trainer: Any, model: Any, **fit_kwargs: Any) -> None:
