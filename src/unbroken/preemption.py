@@ -53,7 +53,9 @@ class Interrupts:
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # None: the previous handler was not set from Python (Ray's driver sets one in C);
+            # it cannot be put back, and the default ends the process as that one did.
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
         os.close(self._r)
         os.close(self._w)

@@ -20,9 +20,11 @@ from __future__ import annotations
 import os
 import secrets
 import selectors
+import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import (
@@ -63,9 +65,19 @@ _HANDSHAKE_S = 10
 
 def connect() -> None:
     """Attach this process to the Ray cluster (RAY_ADDRESS, else a local Ray, as Ray Train
-    does), unless it already is."""
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None)
+    does), unless it already is.
+
+    `ray.init` replaces the process's SIGTERM and SIGINT handlers with Ray's, which end the
+    driver at once; the handlers in place before (the controller's preemption handling, while
+    fit() runs) are put back."""
+    if ray.is_initialized():
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def cluster_address() -> str:
