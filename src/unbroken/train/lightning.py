@@ -19,6 +19,7 @@ Both package spellings work: `lightning` (used when installed) and `pytorch_ligh
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import random
 import tempfile
@@ -46,7 +47,7 @@ def _import_lightning() -> Any:
 
 
 pl = _import_lightning()
-_environments = __import__(f"{pl.__name__}.plugins.environments", fromlist=["LightningEnvironment"])
+_environments = importlib.import_module(f"{pl.__name__}.plugins.environments")
 
 __all__ = ["RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback",
            "checkpoint_path", "fit_or_resume", "prepare_trainer"]
