@@ -137,7 +137,9 @@ class TrainState:
 
     Everything is saved from rank 0 except the random generator states, which are per rank;
     that is right for data-parallel training (DDP), where model, optimizer and scheduler are
-    identical on every rank.
+    identical on every rank. A sharded model (DTensor parameters: FSDP2, tensor parallelism)
+    and its optimizer are the exception: every rank saves its shards through
+    torch.distributed.checkpoint, and they restore onto any number of ranks.
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
