@@ -57,8 +57,9 @@ def cluster(tmp_path_factory):
     c.shutdown()
 
 
-def trainer(storage: str, name: str, directory: str, max_failures: int = 0, **config) -> TorchTrainer:
-    failures = FailureConfig(max_failures=max_failures, hang_timeout_s=120)  # a safety net only
+def trainer(storage: str, name: str, directory: str, max_failures: int = 0, hang_timeout_s: float = 120,
+            **config) -> TorchTrainer:
+    failures = FailureConfig(max_failures=max_failures, hang_timeout_s=hang_timeout_s)
     return TorchTrainer(placed_loop, train_loop_config={"iterations": 8, "dir": directory, **config},
                         scaling_config=ScalingConfig(num_workers=2, engine="ray"),
                         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
@@ -176,12 +177,18 @@ def _node_local_fs(path: str):
 
 
 # -- failures ------------------------------------------------------------------------------
-def test_a_killed_rank_restarts_the_group_from_the_checkpoint(cluster, storage, tmp_path):
-    result = trainer(storage, "killed-rank", str(tmp_path), max_failures=1, kill_worker_at=[5, 1]).fit()
+def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_checkpoint(
+        cluster, storage, tmp_path):
+    result = trainer(storage, "failing-ranks", str(tmp_path), max_failures=3, hang_timeout_s=10,
+                     kill_worker_at=[5, 1], fail_at=[6, 2], hang_at=[7, 3]).fit()
     assert iterations(result) == list(range(1, 9))
-    first, second = attempts(result)
-    assert first["status"] == "ERRORED" and "died" in first["error"], first["error"]
-    assert second["resumed_from"] == "checkpoint_000004"
+    killed, raised, stuck, finished = attempts(result)
+    assert "died" in killed["error"] and "ActorDiedError" in killed["error"], killed["error"]
+    assert "injected failure at iteration 6" in raised["error"], raised["error"]
+    assert "WorkerHangError" in stuck["error"], stuck["error"]
+    resumed = [a["resumed_from"] for a in (raised, stuck, finished)]
+    assert resumed == ["checkpoint_000004", "checkpoint_000004", "checkpoint_000006"]
+    assert finished["status"] == "FINISHED"
 
 
 def test_a_removed_node_is_a_lost_rank_and_the_run_finishes_on_a_replacement(cluster, storage, tmp_path):
