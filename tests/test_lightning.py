@@ -209,3 +209,14 @@ def test_the_example_runs_and_resumes_exactly(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "final weights identical to the uninterrupted run: True" in out.stdout
+
+
+def test_without_the_lightning_package_pytorch_lightning_is_used(monkeypatch):
+    pytest.importorskip("pytorch_lightning")
+    for name in ("lightning", "lightning.pytorch"):
+        monkeypatch.setitem(sys.modules, name, None)  # only the older spelling is installed
+    monkeypatch.delitem(sys.modules, "unbroken.train.lightning")
+    module = importlib.import_module("unbroken.train.lightning")
+    assert module.pl.__name__ == "pytorch_lightning"
+    assert issubclass(module.RayDDPStrategy, module.pl.strategies.DDPStrategy)
+    assert issubclass(module.RayTrainReportCallback, module.pl.Callback)
