@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from conftest import read_until, start_script  # noqa: E402
+from conftest import read_until, s3_env, start_script  # noqa: E402
 from loops import final_weights  # noqa: E402
 from ray_loops import placed_loop  # noqa: E402
 from test_exact_resume import BASE, assert_same_run, exact_loop  # noqa: E402
@@ -41,14 +41,16 @@ def _add_node(cluster, name: str, env: dict[str, str] | None = None):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, s3_endpoint):
+    """Every node has the object store's credentials in its environment, as a cloud node would."""
     from ray.cluster_utils import Cluster
 
     other = str(tmp_path_factory.mktemp("other-root"))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                       "object_store_memory": 80 * MB})
-    _add_node(c, "node_a")
-    _add_node(c, "node_b", {OTHER_ROOT: other})
+    c.node_env = s3_env(s3_endpoint)
+    _add_node(c, "node_a", c.node_env)
+    _add_node(c, "node_b", {**c.node_env, OTHER_ROOT: other})
     ray.init(address=c.address, log_to_driver=False)
     c.wait_for_nodes()
     c.other_root = other
@@ -176,6 +178,16 @@ def _node_local_fs(path: str):
     return DirFileSystem(path=os.path.join(other, "elsewhere") if other else path)
 
 
+def test_a_run_on_object_storage_shared_by_every_node_survives_a_killed_rank(cluster, tmp_path, monkeypatch):
+    for key, value in cluster.node_env.items():
+        monkeypatch.setenv(key, value)
+    result = trainer("s3://bucket/ray-runs", "on-s3", str(tmp_path), max_failures=1, iterations=4,
+                     kill_worker_at=[3, 1]).fit()
+    assert result.path.startswith("s3://bucket/ray-runs/on-s3")
+    assert iterations(result) == [1, 2, 3, 4]
+    assert result.checkpoint.path.endswith("checkpoint_000004") and final_weights(result)
+
+
 # -- failures ------------------------------------------------------------------------------
 def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_checkpoint(
         cluster, storage, tmp_path):
@@ -205,7 +217,8 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
     resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id)
     name = "node_b" if "node_b" in resources else "node_a"
     cluster.remove_node(node, allow_graceful=False)
-    _add_node(cluster, name, {OTHER_ROOT: cluster.other_root} if name == "node_b" else {})
+    other = {OTHER_ROOT: cluster.other_root} if name == "node_b" else {}
+    _add_node(cluster, name, {**cluster.node_env, **other})
     out, err = driver.communicate(timeout=180)
     assert driver.returncode == 0, err
     assert printed_rows(out) == list(range(1, 9))
