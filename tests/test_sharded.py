@@ -19,7 +19,7 @@ import torch
 
 from conftest import read_until, run_json, run_script, s3_env, start_script
 from sharded_loops import fsdp_loop
-from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer, TrainState
 from unbroken.train_state import STATE_FILE, rng_file
 
@@ -179,6 +179,13 @@ def test_a_plain_model_in_one_worker_loads_sharded_state(storage, saved_at_step_
     fit(storage, "plain", workers=1, resume_from=saved.checkpoint, dump_restored=dump, sharded=False)
     got = torch.load(dump, weights_only=True)
     assert_identical(got, want, "restored into a plain model", "2 ranks saved")
+
+
+def test_a_whole_model_checkpoint_is_not_loaded_into_a_sharded_model(storage):
+    plain = fit(storage, "plain-saved", workers=1, sharded=False, stop_after=4)
+    assert "sharded" not in torch.load(os.path.join(plain.checkpoint.path, STATE_FILE), weights_only=True)
+    with pytest.raises(TrainingFailedError, match="holds a whole .unsharded. model"):
+        fit(storage, "sharded-from-plain", resume_from=plain.checkpoint)
 
 
 def test_other_torch_version_is_named_when_loading(saved_at_step_4, tmp_path, caplog):

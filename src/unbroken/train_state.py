@@ -357,6 +357,13 @@ class TrainState:
         self._compare("object", self._objects, {**state_dicts, **dict.fromkeys(sharded["names"])}, strict,
                       directory)
         self._compare("value", self._values, values, strict, directory)
+        if "model" in state_dicts and self.sharded_names():
+            raise StateMismatchError(
+                f"the checkpoint {directory} holds a whole (unsharded) model, saved from rank 0, "
+                "and this run's model is sharded (DTensor parameters); TrainState loads sharded "
+                "state only from a sharded checkpoint. Hint: resume with the model as it was saved "
+                "(DDP or plain), or start a new run from these weights: load them into the model "
+                "before sharding it")
         if "model" in sharded["names"] and "model" in self._objects:
             self._load_sharded(os.path.join(directory, sharded["directory"]), sharded["names"],
                                payload.get("torch_version"))
