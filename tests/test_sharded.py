@@ -19,6 +19,7 @@ import torch
 
 from conftest import read_until, run_json, run_script, s3_env, start_script
 from sharded_loops import fsdp_loop
+from test_exact_resume import assert_identical
 from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer, TrainState
 from unbroken.train_state import STATE_FILE, rng_file
@@ -44,22 +45,6 @@ def steps(result) -> list[dict]:
     rows = df[df["indices"].map(lambda v: isinstance(v, list))]
     return [{"step": int(r["step"]), "epoch": int(r["epoch"]), "loss": r["loss"], "indices": r["indices"]}
             for _, r in rows.iterrows()]
-
-
-def assert_identical(got, want, where: str, context: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape \
-            and torch.equal(got, want), f"{where} differs ({context})"
-    elif isinstance(want, dict):
-        assert set(got) == set(want), f"{where} keys differ: {sorted(got)} vs {sorted(want)} ({context})"
-        for key in want:
-            assert_identical(got[key], want[key], f"{where}[{key!r}]", context)
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where} lengths differ ({context})"
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_identical(g, w, f"{where}[{i}]", context)
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r} ({context})"
 
 
 def assert_same_run(got, want, context: str) -> None:
@@ -129,6 +114,7 @@ def test_killed_rank_resumes_bit_for_bit(storage, reference, mode):
 DRIVER = """
 import sys
 from sharded_loops import fsdp_loop
+from test_exact_resume import assert_identical
 from unbroken.train import RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 TorchTrainer(fsdp_loop, train_loop_config={**eval(sys.argv[3]), "echo": True},
@@ -216,6 +202,7 @@ S3_DRIVER = """
 import os, sys
 os.chdir(os.environ["HOME"])
 from sharded_loops import fsdp_loop
+from test_exact_resume import assert_identical
 from unbroken.train import RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 result = TorchTrainer(fsdp_loop, train_loop_config=eval(sys.argv[3]),

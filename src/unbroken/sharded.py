@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from typing import Any
 
 import torch
@@ -77,8 +78,10 @@ def load(directory: str, model: Any, optimizer: Any | None) -> None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
     _reader(directory).read_metadata()  # its errors, before DCP wraps them in its own
-    dcp.load(state, storage_reader=_reader(directory), planner=_SafeLoadPlanner(),
-             no_dist=not (dist.is_available() and dist.is_initialized()))
+    one_process = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():  # DCP warns that one process loads all, which is meant here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=_reader(directory), planner=_SafeLoadPlanner(), no_dist=one_process)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
