@@ -55,11 +55,7 @@ def save(directory: str, model: Any, optimizer: Any | None) -> list[str]:
 
     The files are not fsynced here: the report that stages them makes them durable (it
     flushes each file while summing it for the commit marker, and fsyncs the directories)."""
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+    state = live_state(model, optimizer)
     metadata = dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
     # The index lists every rank's files (dcp.save returns the global metadata on every rank);
     # rank r's data files are named __<r>_<n>.distcp, and rank 0 (the coordinator) wrote the index.
@@ -72,11 +68,7 @@ def save(directory: str, model: Any, optimizer: Any | None) -> list[str]:
 def load(directory: str, model: Any, optimizer: Any | None) -> None:
     """Load the shards in `directory` into `model` (and `optimizer`), resharding them onto this
     process group's layout (or one plain process). Collective when a process group is up."""
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+    state = live_state(model, optimizer)
     _reader(directory).read_metadata()  # its errors, before DCP wraps them in its own
     one_process = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():  # DCP warns that one process loads all, which is meant here
@@ -103,14 +95,19 @@ def load_full(directory: str) -> dict[str, Any]:
     return state
 
 
-def full_state_dicts(model: Any, optimizer: Any | None) -> dict[str, Any]:
-    """The model's (and optimizer's) whole, unsharded state on every rank, on the CPU: what a
-    sharded checkpoint holds, gathered. For tests and evaluation of small models."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+def live_state(model: Any, optimizer: Any | None, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """{"model": ..., "optimizer": ...} as torch.distributed.checkpoint.state_dict gives them:
+    this rank's shards (DTensors) by default, keyed by parameter name (the optimizer too)."""
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {"model": model_sd, "optimizer": optim_sd}
+
+
+def full_state_dicts(model: Any, optimizer: Any | None) -> dict[str, Any]:
+    """The model's (and optimizer's) whole, unsharded state on every rank, on the CPU: what a
+    sharded checkpoint holds, gathered. Collective. For tests and evaluation of small models."""
+    return live_state(model, optimizer, StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # -- restricted loading ------------------------------------------------------------------------
