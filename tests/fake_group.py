@@ -104,7 +104,11 @@ class FakeWorkerGroup:
 
     spans_machines = False
 
+    def warm_up(self) -> None:
+        self.warmed = True
+
     def __init__(self, scripts: list[list[tuple]]) -> None:
+        self.warmed = False
         self.num_workers = len(scripts)
         self.ranks = [FakeRank(list(s)) for s in scripts]
         self.payloads: list[Any] = []

@@ -41,9 +41,10 @@ class Harness:
         self.controller = Controller(trainer, self.run, "restore(...)", group_factory=self.group)
         self.path = self.run.path
 
-    def group(self, scaling):
+    def group(self, scaling, warm=False):
         assert scaling.num_workers == len(self.attempts[len(self.groups)])
         g = FakeWorkerGroup(self.attempts[len(self.groups)])
+        g.started_warm = warm
         self.groups.append(g)
         return g
 
@@ -87,6 +88,15 @@ def test_a_round_completed_after_a_failure_is_kept_and_the_retry_resumes_from_it
     assert "boom" in attempts[0]["error"] and attempts[1]["resumed_from"] == "checkpoint_000002"
     assert h.groups[1].payloads[0].info.start_iteration == 2
     assert h.groups[0].shut_down is True, "a failed group is killed"
+    # A failure would be retried: the first group warmed up once its ranks were in the loop,
+    # and the restart was told it may start warm.
+    assert (h.groups[0].warmed, h.groups[0].started_warm, h.groups[1].started_warm) == (True, False, True)
+
+
+def test_a_run_that_cannot_retry_never_warms_up_for_a_restart(storage):
+    h = Harness(storage, [[[report(), report()], [report(), report()]]], max_failures=0)
+    h.execute()
+    assert h.groups[0].warmed is False
 
 
 def test_a_killed_peer_is_the_root_cause_of_its_neighbours_error(storage):

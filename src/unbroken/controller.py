@@ -90,6 +90,8 @@ class Controller:
         self._worker_trainer.run_config = dataclasses.replace(trainer.run_config, callbacks=None)
         self._asked_at: int | None = None  # the round whose reply asked for a checkpoint
         self._preempted = False  # the workers were told to stop because of a signal
+        self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
+        self._warmed = False  # a group of this fit() was: later groups may start warm
 
     def execute(self) -> None:
         """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
@@ -113,7 +115,8 @@ class Controller:
             log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
         group = None
         try:
-            group = self.group_factory(self.scaling)
+            group = self.group_factory(self.scaling, warm=self._warmed)
+            self._cold = True
             probe = self.run.write_probe(PROBE) if group.spans_machines else None
             group.start(functools.partial(self._payload, resume, probe))
             self.state = ControllerState.RUNNING
@@ -268,6 +271,10 @@ class Controller:
         row = self.run.record(iteration, by_rank[0].metrics, name if files else None)
         marker = self.run.commit_checkpoint(iteration, files, row, name) if files else None
         self.run.reported([by_rank[r].metrics for r in sorted(by_rank)], marker)
+        if self._cold and self.policy.can_retry():
+            self._cold = False
+            group.warm_up()  # the ranks are in their loop: get a restart ready in the background
+            self._warmed = True
         stop, checkpoint = _stop_met(self.run_config.stop, row), False
         if self.state is ControllerState.STOPPING:
             if self._asked_at is None:

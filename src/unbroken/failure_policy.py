@@ -31,6 +31,11 @@ class FailurePolicy:
         self.config = config
         self.failures = 0
 
+    def can_retry(self) -> bool:
+        """Whether one more failure would be retried (a retryable one)."""
+        limit = self.config.max_failures
+        return not self.config.fail_fast and (limit < 0 or self.failures < limit)
+
     def decide(self, error: BaseException) -> FailureDecision:
         self.failures += 1
         if isinstance(error, _NOT_RETRYABLE) or self.config.fail_fast:

@@ -60,12 +60,14 @@ def check_can_run(scaling: ScalingConfig) -> None:
                 "machine with a CUDA GPU (and check CUDA_VISIBLE_DEVICES)")
 
 
-def make_worker_group(scaling: ScalingConfig):
-    """A new worker group for one attempt of a run with `scaling`."""
+def make_worker_group(scaling: ScalingConfig, warm: bool = False):
+    """A new worker group for one attempt of a run with `scaling`; `warm`: an earlier group
+    of this fit() was asked to `warm_up`, so this one may start its ranks from what that
+    prepared."""
     if resolve_engine(scaling) == "ray":
         from unbroken.engine.ray import RayWorkerGroup
 
         return RayWorkerGroup(scaling)
     from unbroken.engine.local import LocalWorkerGroup
 
-    return LocalWorkerGroup(scaling.num_workers, scaling.cpus_per_worker())
+    return LocalWorkerGroup(scaling.num_workers, scaling.cpus_per_worker(), warm)

@@ -99,6 +99,13 @@ class WorkerGroup(Protocol):
         rank."""
         ...
 
+    def warm_up(self) -> None:
+        """The attempt is running and a failure would be retried: get ready to start the next
+        attempt's ranks fast (a warm template process, spare actors), in the background.
+        Called at most once per attempt, after its first complete round; must not slow the
+        running ranks' reports. Idempotent; may do nothing."""
+        ...
+
     def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
         """The ranks killed by a signal or lost with their node so far, waiting up to `wait_s`
         for such a loss to show (when one rank reports an error, a peer killed at the same
@@ -114,3 +121,5 @@ class WorkerGroup(Protocol):
 
 
 WorkerGroupFactory = Callable[..., WorkerGroup]
+"""`factory(scaling, warm=...)`: a new group per attempt; `warm` says that an earlier group of
+the same fit() was asked to `warm_up`, so the new one may start from what that prepared."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import selectors
 import signal
@@ -79,12 +80,28 @@ def visible_gpus() -> tuple[int, str]:
     return count, f"torch.cuda.device_count() is {count}"
 
 
-def _context(method: str) -> Any:
+def _context(method: str, num_workers: int) -> Any:
     ctx = mp.get_context(method)
     if method == "forkserver":
         preload = ["torch"] if "torch" in sys.modules else []
+        if preload and num_workers > 1:
+            preload.append("torch._dynamo")  # DDP imports it on first use: 1+ s in each worker
         ctx.set_forkserver_preload([*preload, "unbroken.engine.forkserver_init", "unbroken.engine.local"])
     return ctx
+
+
+def warm_up(num_workers: int) -> None:
+    """Get restarts ready: start the forkserver now, in the background, with torch (and
+    torch._dynamo, which DDP imports on a worker's first use) imported once, so that the
+    workers of a later attempt fork from it and are in the training loop at once instead of
+    importing them again. Costs a process with torch imported (its import time, in the
+    background, and its memory) and nothing on the running attempt's reports; the driver's
+    own imports and exit are untouched. A restart that comes before the forkserver is warm
+    waits for it, which takes about as long as importing in each new worker would."""
+    if os.environ.get("UNBROKEN_START_METHOD"):
+        return
+    _context("forkserver", num_workers)
+    mp.forkserver.ensure_running()
 
 
 def _died(rank: int, exitcode: int | None) -> WorkerDied:
@@ -124,17 +141,18 @@ class LocalWorkerGroup:
 
     spans_machines = False
 
-    def __init__(self, num_workers: int, cpus: int = 1) -> None:
+    def __init__(self, num_workers: int, cpus: int = 1, warm: bool = False) -> None:
         self.num_workers = num_workers
         self.cpus = cpus
+        self.warm = warm  # an earlier attempt of this fit() warmed the forkserver up: start from it
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._selector = selectors.DefaultSelector()
         self._wake: Wakeup | None = None
 
     def start(self, payload: Callable[[Placement], WorkerPayload]) -> list[Placement]:
-        method = start_method()
-        ctx = _context(method)
+        method = "forkserver" if self.warm and not os.environ.get("UNBROKEN_START_METHOD") else start_method()
+        ctx = _context(method, self.num_workers)
         # A forked worker's parent is this driver; a forkserver's child has the server as parent.
         parent = os.getpid() if method == "fork" else None
         host = socket.gethostname()
@@ -202,6 +220,9 @@ class LocalWorkerGroup:
 
     def mark_finished(self, rank: int) -> None:
         self._selector.unregister(self.procs[rank].sentinel)
+
+    def warm_up(self) -> None:
+        warm_up(self.num_workers)
 
     def shutdown(self, kill: bool = False) -> None:
         for proc in self.procs:

@@ -409,6 +409,9 @@ class RayWorkerGroup:
     def mark_finished(self, rank: int) -> None:
         self._finished.add(rank)
 
+    def warm_up(self) -> None:
+        pass  # each attempt starts fresh actors (see the module docstring)
+
     def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
         live = [ref for rank, ref in enumerate(self.refs) if rank not in self._finished]
         if not live:
