@@ -98,6 +98,15 @@ def test_a_sharded_checkpoint_loads_whole_into_one_plain_process(reference):
     assert full["optimizer"]["state"]["0.weight"]["exp_avg"].shape == (32, 8)
 
 
+def test_a_ddp_checkpoint_loads_whole_the_same_way(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    state = TrainState(model=model, epoch=3)
+    state.save(tmp_path)
+    full = Checkpoint.from_directory(tmp_path).to_state_dict()
+    assert set(full) == {"model", "epoch"} and full["epoch"] == 3
+    assert_identical(full["model"], model.state_dict(), "model", "saved unsharded")
+
+
 @pytest.mark.parametrize("mode", ["raise", "sigkill"])
 def test_killed_rank_resumes_bit_for_bit(storage, reference, mode):
     rng = rng_for(f"kill-{mode}")
