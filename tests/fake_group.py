@@ -155,5 +155,6 @@ class FakeWorkerGroup:
                  for r, f in enumerate(self.ranks) if f.dying is not None]
         return sorted(self.killed + dying, key=lambda d: d.rank)
 
-    def shutdown(self, kill: bool = False) -> None:
+    def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         self.shut_down = kill
+        self.kept_warm = keep_warm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import ray
 
@@ -17,7 +18,8 @@ def placed_loop(config: dict) -> None:
     rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
     where = {"rank": rank, "node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
              "local_world_size": ctx.get_local_world_size(), "pid": os.getpid(),
-             "node_id": ray.get_runtime_context().get_node_id(), "attempt": attempt}
+             "node_id": ray.get_runtime_context().get_node_id(), "attempt": attempt,
+             "warm": "torch._dynamo" in sys.modules}  # imported before DDP: a warm spare
     with open(os.path.join(config["dir"], f"rank{rank}-a{attempt}.json"), "w") as f:
         json.dump(where, f)
     linear_loop(config)

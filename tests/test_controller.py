@@ -41,10 +41,10 @@ class Harness:
         self.controller = Controller(trainer, self.run, "restore(...)", group_factory=self.group)
         self.path = self.run.path
 
-    def group(self, scaling, warm=False):
+    def group(self, scaling, warm=None):
         assert scaling.num_workers == len(self.attempts[len(self.groups)])
         g = FakeWorkerGroup(self.attempts[len(self.groups)])
-        g.started_warm = warm
+        g.started_warm = warm is not None and warm is self.groups[-1]
         self.groups.append(g)
         return g
 

@@ -201,6 +201,11 @@ def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_che
     resumed = [a["resumed_from"] for a in (raised, stuck, finished)]
     assert resumed == ["checkpoint_000004", "checkpoint_000004", "checkpoint_000006"]
     assert finished["status"] == "FINISHED"
+    # The first attempt's actors started cold; each restart ran on the spares that the failed
+    # attempt had warmed up (torch._dynamo imported before the loop's DDP), new processes all.
+    assert [[r["warm"] for r in placements(str(tmp_path), a)] for a in (1, 2, 3, 4)] == \
+        [[False, False]] + [[True, True]] * 3
+    assert len({r["pid"] for a in (1, 2, 3, 4) for r in placements(str(tmp_path), a)}) == 8
 
 
 def test_a_removed_node_is_a_lost_rank_and_the_run_finishes_on_a_replacement(cluster, storage, tmp_path):

@@ -91,7 +91,7 @@ class Controller:
         self._asked_at: int | None = None  # the round whose reply asked for a checkpoint
         self._preempted = False  # the workers were told to stop because of a signal
         self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
-        self._warmed = False  # a group of this fit() was: later groups may start warm
+        self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
 
     def execute(self) -> None:
         """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
@@ -104,6 +104,8 @@ class Controller:
                     if self._attempt():
                         return
             finally:
+                if self._warm is not None:
+                    self._warm.shutdown(kill=True)  # what it kept warm, unless a later group took it
                 self._record(self.run.lease.release)  # also when an attempt could not even begin
 
     def _attempt(self) -> bool:
@@ -115,7 +117,7 @@ class Controller:
             log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
         group = None
         try:
-            group = self.group_factory(self.scaling, warm=self._warmed)
+            group = self.group_factory(self.scaling, warm=self._warm)
             self._cold = True
             probe = self.run.write_probe(PROBE) if group.spans_machines else None
             group.start(functools.partial(self._payload, resume, probe))
@@ -123,7 +125,11 @@ class Controller:
             self._drive(group)
         except BaseException as error:
             if group is not None:
-                group.shutdown(kill=True)
+                group.shutdown(kill=True, keep_warm=not self._cold)
+                if not self._cold:
+                    if self._warm is not None:
+                        self._warm.shutdown(kill=True)
+                    self._warm = group
             if isinstance(error, LeaseLostError):
                 raise  # the run belongs to another driver now: write nothing more to it
             if self.state is ControllerState.INTERRUPTED:
@@ -274,7 +280,6 @@ class Controller:
         if self._cold and self.policy.can_retry():
             self._cold = False
             group.warm_up()  # the ranks are in their loop: get a restart ready in the background
-            self._warmed = True
         stop, checkpoint = _stop_met(self.run_config.stop, row), False
         if self.state is ControllerState.STOPPING:
             if self._asked_at is None:

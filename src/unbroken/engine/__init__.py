@@ -60,14 +60,13 @@ def check_can_run(scaling: ScalingConfig) -> None:
                 "machine with a CUDA GPU (and check CUDA_VISIBLE_DEVICES)")
 
 
-def make_worker_group(scaling: ScalingConfig, warm: bool = False):
-    """A new worker group for one attempt of a run with `scaling`; `warm`: an earlier group
-    of this fit() was asked to `warm_up`, so this one may start its ranks from what that
-    prepared."""
+def make_worker_group(scaling: ScalingConfig, warm=None):
+    """A new worker group for one attempt of a run with `scaling`; `warm`: the previous
+    attempt's group, which warmed up for this restart (see `engine.base.WorkerGroupFactory`)."""
     if resolve_engine(scaling) == "ray":
         from unbroken.engine.ray import RayWorkerGroup
 
-        return RayWorkerGroup(scaling)
+        return RayWorkerGroup(scaling, warm)
     from unbroken.engine.local import LocalWorkerGroup
 
-    return LocalWorkerGroup(scaling.num_workers, scaling.cpus_per_worker(), warm)
+    return LocalWorkerGroup(scaling.num_workers, scaling.cpus_per_worker(), warm is not None)

@@ -113,13 +113,16 @@ class WorkerGroup(Protocol):
         any number of times; reads only."""
         ...
 
-    def shutdown(self, kill: bool = False) -> None:
+    def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         """End the group: wait for the ranks to exit (briefly; then kill them), or with `kill`
         kill them at once (a surviving rank may be blocked in a collective with a dead peer).
+        `keep_warm`: leave what `warm_up` prepared for the next group of this fit() (which gets
+        this group as `warm`); a later plain `shutdown` releases what no group took.
         Idempotent, and safe after a `start` that raised."""
         ...
 
 
 WorkerGroupFactory = Callable[..., WorkerGroup]
-"""`factory(scaling, warm=...)`: a new group per attempt; `warm` says that an earlier group of
-the same fit() was asked to `warm_up`, so the new one may start from what that prepared."""
+"""`factory(scaling, warm=None)`: a new group per attempt. `warm`: the failed group of the
+previous attempt, which was asked to `warm_up` and shut down with `keep_warm`; the new group
+may start its ranks from what that prepared (and takes it over)."""

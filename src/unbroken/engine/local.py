@@ -144,7 +144,7 @@ class LocalWorkerGroup:
     def __init__(self, num_workers: int, cpus: int = 1, warm: bool = False) -> None:
         self.num_workers = num_workers
         self.cpus = cpus
-        self.warm = warm  # an earlier attempt of this fit() warmed the forkserver up: start from it
+        self.warm = warm  # the previous attempt warmed the forkserver up: start the workers from it
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._selector = selectors.DefaultSelector()
@@ -224,7 +224,7 @@ class LocalWorkerGroup:
     def warm_up(self) -> None:
         warm_up(self.num_workers)
 
-    def shutdown(self, kill: bool = False) -> None:
+    def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         for proc in self.procs:
             if kill and proc.is_alive():
                 proc.kill()

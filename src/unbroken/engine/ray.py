@@ -9,7 +9,8 @@ The controller's messages travel on it as on the local engine's pipes, so a repo
 small message each way (a fraction of a millisecond) instead of Ray calls.
 
 Lifetimes: actors are never detached, so Ray kills them when the driver dies; `shutdown`
-kills them and removes the placement group. A rank is lost when its process dies (its
+kills them and removes the placement group (unless the next attempt takes it over warm: see
+`RayWorkerGroup`). A rank is lost when its process dies (its
 running call fails with `ActorDiedError` within milliseconds) or its node does: the call
 then fails with `ActorUnavailableError` about a second after the loss, and that counts as
 lost at once (Ray's dead-node verdict comes ~15 s later, and the peers cannot progress).
@@ -61,6 +62,8 @@ CHECK_S = 0.25
 # process: milliseconds; a lost node: ~1.4 s, measured). Past it, the rank is lost all the same.
 WHY_WAIT_S = 2.0
 _HANDSHAKE_S = 10
+# How long a restart waits for the spares to finish warming up (each imports torch once).
+WARM_WAIT_S = 60.0
 
 
 def connect() -> None:
@@ -110,6 +113,14 @@ class RankActor:
         return {"node_id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "versions": versions()}
+
+    def warm(self, ddp: bool) -> None:
+        """Import now what a rank imports, so that this spare starts a restarted rank at once:
+        torch, and torch._dynamo, which DDP imports on first use."""
+        import torch  # noqa: F401
+
+        if ddp:
+            import torch._dynamo  # noqa: F401
 
     def run(self, payload: bytes, rank: int, address: tuple[str, int], authkey: bytes,
             sys_path: list[str]) -> str:
@@ -217,18 +228,28 @@ def _why(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
 
 
 class RayWorkerGroup:
-    """Ranks as Ray actors in one placement group: a `WorkerGroup` (engine.base)."""
+    """Ranks as Ray actors in one placement group: a `WorkerGroup` (engine.base).
+
+    Warm restarts: once the ranks are in their loop and a failure would be retried,
+    `warm_up` starts one spare actor per bundle of the placement group (no resources of its
+    own), which imports torch and torch._dynamo and waits. After a failure the group is shut
+    down with `keep_warm`, and the next group keeps the placement group and starts its ranks
+    on the spares. When a spare is gone too (its node was lost), or with GPUs (a spare has
+    none assigned), the next group starts cold."""
 
     spans_machines = True
 
-    def __init__(self, scaling: ScalingConfig) -> None:
+    def __init__(self, scaling: ScalingConfig, warm: RayWorkerGroup | None = None) -> None:
         self.scaling = scaling
         self.num_workers = scaling.num_workers
         self.pg: Any = None
         self.actors: list[Any] = []   # by rank
+        self.spares: list[Any] = []   # by bundle, after warm_up
         self.refs: list[Any] = []     # each rank's running `run` call
         self.metas: list[dict[str, Any]] = []
         self.conns: list[Connection | None] = []
+        self._warm = warm
+        self._bundles: list[int] = []  # each rank's bundle in the placement group
         self._selector = selectors.DefaultSelector()
         self._wake: Wakeup | None = None
         self._listener: _Listener | None = None
@@ -240,6 +261,30 @@ class RayWorkerGroup:
     # -- start -----------------------------------------------------------------------------
     def start(self, payload: Callable[[Placement], Any]) -> list[Placement]:
         connect()
+        taken = self._take_warm()
+        by_bundle, metas = taken if taken is not None else self._place()
+        mine = versions()
+        for meta in metas:
+            if meta["versions"] != mine:
+                raise VersionMismatchError(
+                    f"node {meta['address']} runs {meta['versions']}, the driver {mine}: a worker "
+                    "there could not load what the driver sends. Hint: install the same versions "
+                    "of Python, torch and unbroken on every node")
+        cpus = max(1, int(_bundle(self.scaling).get("CPU", 1)))
+        placements = []
+        self.actors, self.metas, self._bundles = [], [], []
+        for rank, (index, node_rank, local_rank, local_size) in enumerate(_order(metas)):
+            self.actors.append(by_bundle[index])
+            self.metas.append(metas[index])
+            self._bundles.append(index)
+            placements.append(Placement(
+                rank=rank, node_rank=node_rank, local_rank=local_rank, local_world_size=local_size,
+                node_id=metas[index]["node_id"], node_address=metas[index]["address"], cpus=cpus))
+        self._launch(payload, placements)
+        return placements
+
+    def _place(self) -> tuple[list[Any], list[dict[str, Any]]]:
+        """A new placement group and one actor per bundle: (actors by bundle, their metas)."""
         n, strategy = self.num_workers, self.scaling.placement_strategy
         bundle = _bundle(self.scaling)
         self.pg = placement_group([bundle] * n, strategy=strategy)
@@ -251,34 +296,36 @@ class RayWorkerGroup:
                 f"{PLACEMENT_TIMEOUT_S:g} s: {_missing(bundle, n, strategy)}. Hint: add nodes, or "
                 "lower ScalingConfig(num_workers=..., resources_per_worker=...), or use "
                 "placement_strategy='PACK' (UNBROKEN_RAY_PLACEMENT_TIMEOUT_S sets the wait)") from None
-        actor_cls = ray.remote(RankActor)
-        gpus = bundle.pop("GPU", 0)
-        cpus = bundle.pop("CPU", 0)
-        by_bundle = [actor_cls.options(
-            num_cpus=cpus, num_gpus=gpus, resources=bundle, max_restarts=0, max_concurrency=1,
-            name=None, lifetime=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote() for i in range(n)]
-        self.actors = by_bundle  # until ranks are known, so that shutdown kills them all
-        metas = ray.get([a.meta.remote() for a in by_bundle], timeout=START_TIMEOUT_S)
-        mine = versions()
-        for meta in metas:
-            if meta["versions"] != mine:
-                raise VersionMismatchError(
-                    f"node {meta['address']} runs {meta['versions']}, the driver {mine}: a worker "
-                    "there could not load what the driver sends. Hint: install the same versions "
-                    "of Python, torch and unbroken on every node")
-        placements = []
-        self.actors, self.metas = [], []
-        for rank, (index, node_rank, local_rank, local_size) in enumerate(_order(metas)):
-            self.actors.append(by_bundle[index])
-            self.metas.append(metas[index])
-            placements.append(Placement(
-                rank=rank, node_rank=node_rank, local_rank=local_rank, local_world_size=local_size,
-                node_id=metas[index]["node_id"], node_address=metas[index]["address"],
-                cpus=max(1, int(cpus))))
-        self._launch(payload, placements)
-        return placements
+        gpus, cpus = bundle.pop("GPU", 0), bundle.pop("CPU", 0)
+        self.actors = [self._actor(i, cpus, gpus, bundle) for i in range(n)]  # shutdown kills them all
+        return self.actors, ray.get([a.meta.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+
+    def _actor(self, index: int, cpus: float, gpus: float, resources: dict[str, float]) -> Any:
+        return ray.remote(RankActor).options(
+            num_cpus=cpus, num_gpus=gpus, resources=resources, max_restarts=0, max_concurrency=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+        ).remote()
+
+    def _take_warm(self) -> tuple[list[Any], list[dict[str, Any]]] | None:
+        """The previous group's placement group and spare actors, when every spare still answers."""
+        old, self._warm = self._warm, None
+        if old is None or not old.spares:
+            return None
+        spares, pg = old.spares, old.pg
+        old.spares, old.pg = [], None
+        self.pg, self.actors = pg, spares  # from here on, this group's to release
+        try:
+            return spares, ray.get([a.meta.remote() for a in spares], timeout=WARM_WAIT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            self._release()
+            return None
+
+    def warm_up(self) -> None:
+        if self.spares or self.pg is None or self.scaling.use_gpu:
+            return
+        self.spares = [self._actor(i, 0, 0, {}) for i in range(self.num_workers)]
+        for spare in self.spares:
+            spare.warm.remote(self.num_workers > 1)
 
     def _launch(self, payload: Callable[[Placement], Any], placements: list[Placement]) -> None:
         """Start every rank's `run` and wait until each has connected (or one failed)."""
@@ -409,9 +456,6 @@ class RayWorkerGroup:
     def mark_finished(self, rank: int) -> None:
         self._finished.add(rank)
 
-    def warm_up(self) -> None:
-        pass  # each attempt starts fresh actors (see the module docstring)
-
     def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
         live = [ref for rank, ref in enumerate(self.refs) if rank not in self._finished]
         if not live:
@@ -426,24 +470,36 @@ class RayWorkerGroup:
                     lost.append(died)
         return lost
 
-    def shutdown(self, kill: bool = False) -> None:
+    def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         if self.refs and not kill:
             ray.wait(self.refs, num_returns=len(self.refs), timeout=5)
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001
-                pass
+        _kill(self.actors)
+        self.actors, self.refs = [], []
+        if not (keep_warm and self.spares):
+            self._release()
         for conn in self.conns:
             if conn is not None:
                 conn.close()
         if self._listener is not None:
             self._listener.close()
         self._selector.close()
-        self.actors, self.refs, self.conns, self.pg, self._listener = [], [], [], None, None
+        self.conns, self._listener = [], None
 
+    def _release(self) -> None:
+        """Kill the actors and spares, and give the placement group's resources back."""
+        _kill(self.actors + self.spares)
+        self.actors, self.spares = [], []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.pg = None
+
+
+def _kill(actors: list[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
