@@ -111,6 +111,39 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+# -- the connection to the driver ----------------------------------------------------------
+def test_the_driver_takes_only_connections_that_prove_the_attempts_secret(monkeypatch):
+    import socket
+    import threading
+    from multiprocessing.connection import AuthenticationError, Client
+
+    from unbroken.engine.ray import _Listener
+
+    monkeypatch.setattr("unbroken.engine.ray._HANDSHAKE_S", 1)
+    listener = _Listener("127.0.0.1", b"s" * 32)
+    outcome: dict = {}
+
+    def dial(key: bytes) -> None:
+        try:
+            Client(listener.address, authkey=key).send(("hello", 0))
+            outcome[key] = "connected"
+        except (AuthenticationError, EOFError, ConnectionError) as e:
+            outcome[key] = type(e).__name__
+
+    try:
+        for key, taken in ((b"x" * 32, False), (b"s" * 32, True)):
+            caller = threading.Thread(target=dial, args=(key,))
+            caller.start()
+            conn = listener.accept()
+            caller.join()
+            assert (conn is not None) is taken, (key, outcome)
+        assert conn.recv() == ("hello", 0) and outcome[b"x" * 32] == "AuthenticationError"
+        with socket.create_connection(listener.address):  # a stranger that never answers
+            assert listener.accept() is None
+    finally:
+        listener.close()
+
+
 # -- placement -----------------------------------------------------------------------------
 def test_auto_picks_ray_once_the_driver_joined_a_cluster(cluster):
     assert resolve_engine(ScalingConfig(engine="auto")) == "ray"
