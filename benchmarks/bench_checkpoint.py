@@ -19,7 +19,8 @@ with `fully_shard`, AdamW after one step (so the state is the weights and two mo
 
 A measurement is the slowest rank's time. Dirty pages are flushed (os.sync) before each one.
 Prints a markdown table of medians (min-max) and the ratios to raw torch.save (target: sync
-save <= 1.3x): of the medians, and of the fastest runs (the least disturbed by other load).
+save <= 1.3x): of the medians, and the median of each repeat's own ratio (raw and sync save
+run back to back, so that load from other work that drifts slowly cancels out).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def main() -> None:
           f"{args.repeats} repeats, medians (min-max); no GPU")
     print()
     print("| state | disk write + fsync | raw torch.save + fsync | sync save: blocked | "
-          "sync save: committed | blocked / raw | committed / raw | fastest: blocked / raw |")
+          "sync save: committed | blocked / raw | committed / raw | paired: blocked / raw |")
     print("|---|---|---|---|---|---|---|---|")
     try:
         for size in (int(s) for s in args.sizes.split(",")):
@@ -177,7 +178,7 @@ def main() -> None:
             med = statistics.median
             print(f"| {got['bytes'] / MiB:.0f} MiB | {cell(t['disk'])} | {cell(raw)} | {cell(blocked)} | "
                   f"{cell(committed)} | {med(blocked) / med(raw):.2f}x | {med(committed) / med(raw):.2f}x | "
-                  f"{min(blocked) / min(raw):.2f}x |", flush=True)
+                  f"{med(b / r for b, r in zip(blocked, raw, strict=True)):.2f}x |", flush=True)
     finally:
         if args.storage is None:
             shutil.rmtree(storage, ignore_errors=True)
