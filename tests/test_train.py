@@ -203,9 +203,16 @@ def test_result_from_path_reads_a_finished_run(storage):
     assert list(again.metrics_dataframe["training_iteration"]) == [1, 2, 3]
 
 
-def test_ray_engine_is_refused_before_anything_is_written(storage):
+def test_ray_engine_without_ray_installed_is_refused_before_anything_is_written(storage, monkeypatch):
+    import importlib.util
+
+    from unbroken.errors import MissingDependencyError
+
+    find_spec = importlib.util.find_spec  # Ray is installed here: pretend it is not
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else find_spec(name, *a))
     trainer = DataParallelTrainer(simple_loop, scaling_config=ScalingConfig(engine="ray"),
                                   run_config=RunConfig(name="ray", storage_path=storage))
-    with pytest.raises(NotImplementedError, match="engine='local'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'unbroken\[ray\]'.*engine='local'"):
         trainer.fit()
     assert not os.path.exists(os.path.join(storage, "ray"))
