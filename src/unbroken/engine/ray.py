@@ -91,17 +91,14 @@ def cluster_address() -> str:
 
 def versions() -> dict[str, str]:
     """What must match between the driver and every node for a payload to run there."""
-    torch = sys.modules.get("torch")
-    return {"python": ".".join(map(str, sys.version_info[:2])), "unbroken": unbroken.__version__,
-            "torch": getattr(torch, "__version__", "none") if torch else _torch_version()}
-
-
-def _torch_version() -> str:
     try:
         import torch
+
+        torch_version = torch.__version__
     except ImportError:
-        return "none"
-    return torch.__version__
+        torch_version = "none"
+    return {"python": ".".join(map(str, sys.version_info[:2])), "unbroken": unbroken.__version__,
+            "torch": torch_version}
 
 
 class RankActor:
