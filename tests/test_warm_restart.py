@@ -1,7 +1,8 @@
 """Warm restarts on the local engine: once a run whose failures would be retried has its
-ranks in the loop, a forkserver with torch and torch._dynamo imported is started in the
-background, and a restarted attempt forks its workers from it (instead of importing torch._dynamo
-again in each new worker, the 1+ s that DDP's first use costs)."""
+ranks in the loop (here at once: UNBROKEN_WARM_UP_AFTER_S=0), a forkserver with torch and
+torch._dynamo imported is started in the background, and a restarted attempt forks its
+workers from it (instead of importing torch._dynamo again in each new worker, the 1+ s that
+DDP's first use costs)."""
 
 import json
 import os
@@ -41,7 +42,7 @@ def first_lines(directory, attempt):
 
 
 def test_a_restart_starts_its_workers_warm(tmp_path, storage):
-    out = run_script(SCRIPT, str(tmp_path), storage, "1").stdout
+    out = run_script(SCRIPT, str(tmp_path), storage, "1", UNBROKEN_WARM_UP_AFTER_S=0).stdout
     assert json.loads(out.split("ROWS", 1)[1]) == [1, 2, 3, 4]
     # The first attempt's workers were forked from the driver, which never imported torch._dynamo.
     assert first_lines(tmp_path, 1) == [{"dynamo": False, "forked_by_driver": True}] * 2

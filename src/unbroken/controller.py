@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,10 @@ ROOT_CAUSE_WAIT_S = 0.2
 # How long a failed group's incomplete round may take to complete (the other ranks are
 # finishing the step the failed rank already reported; see `rounds`).
 ROUND_GRACE_S = 10.0
+# How long an attempt runs before its group warms up for a restart (`WorkerGroup.warm_up`):
+# the start of an attempt keeps the machines to itself, and a failure before then restarts
+# cold, as it would without warm restarts.
+WARM_UP_AFTER_S = float(os.environ.get("UNBROKEN_WARM_UP_AFTER_S", "10"))
 
 
 class ControllerState(enum.Enum):
@@ -91,6 +96,7 @@ class Controller:
         self._asked_at: int | None = None  # the round whose reply asked for a checkpoint
         self._preempted = False  # the workers were told to stop because of a signal
         self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
+        self._started = 0.0  # when the attempt's ranks were started
         self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
 
     def execute(self) -> None:
@@ -121,6 +127,7 @@ class Controller:
             self._cold = True
             probe = self.run.write_probe(PROBE) if group.spans_machines else None
             group.start(functools.partial(self._payload, resume, probe))
+            self._started = time.monotonic()
             self.state = ControllerState.RUNNING
             self._drive(group)
         except BaseException as error:
@@ -277,7 +284,7 @@ class Controller:
         row = self.run.record(iteration, by_rank[0].metrics, name if files else None)
         marker = self.run.commit_checkpoint(iteration, files, row, name) if files else None
         self.run.reported([by_rank[r].metrics for r in sorted(by_rank)], marker)
-        if self._cold and self.policy.can_retry():
+        if self._cold and time.monotonic() - self._started >= WARM_UP_AFTER_S and self.policy.can_retry():
             self._cold = False
             group.warm_up()  # the ranks are in their loop: get a restart ready in the background
         stop, checkpoint = _stop_met(self.run_config.stop, row), False

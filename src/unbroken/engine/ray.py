@@ -113,11 +113,23 @@ class RankActor:
 
     def warm(self, ddp: bool) -> None:
         """Import now what a rank imports, so that this spare starts a restarted rank at once:
-        torch, and torch._dynamo, which DDP imports on first use."""
-        import torch  # noqa: F401
+        torch, and torch._dynamo, which DDP imports on first use. The imports run in a thread
+        of the lowest CPU priority (on Linux a thread has its own), so that they take only
+        what the running ranks leave idle; the spare's own thread keeps its priority."""
 
-        if ddp:
-            import torch._dynamo  # noqa: F401
+        def imports() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, 19)  # this thread only, on Linux
+            except (OSError, AttributeError):
+                pass
+            import torch  # noqa: F401
+
+            if ddp:
+                import torch._dynamo  # noqa: F401
+
+        thread = threading.Thread(target=imports, name="unbroken-warm-up")
+        thread.start()
+        thread.join()
 
     def run(self, payload: bytes, rank: int, address: tuple[str, int], authkey: bytes,
             sys_path: list[str]) -> str:
