@@ -356,10 +356,13 @@ class RayWorkerGroup:
                         "every node (UNBROKEN_RAY_START_TIMEOUT_S sets the wait)")
                 if waiting.select(CHECK_S):
                     self._greet()
-                ended, _ = ray.wait(self.refs, num_returns=1, timeout=0)
-                if ended:
-                    ray.get(ended[0])  # raises the rank's error (an import that fails on the node...)
-                    raise RuntimeError("a rank ended before it connected to the driver")
+                waiting_for = [ref for rank, ref in enumerate(self.refs) if self.conns[rank] is None]
+                ended, _ = ray.wait(waiting_for, num_returns=len(waiting_for), timeout=0)
+                for ref in ended:
+                    # Raises the rank's error (an import that fails on the node, ...). A rank that
+                    # returned had connected first (it may fail fast, e.g. on the storage probe):
+                    # its connection waits to be accepted, with its messages.
+                    ray.get(ref)
         finally:
             waiting.close()
         for rank, conn in enumerate(self.conns):
