@@ -5,7 +5,7 @@ iteration from both ranks, retention keeping two). Each launch of its driver is 
 SIGKILL the driver at a uniformly random moment, SIGKILL one worker at a random moment,
 a fault-injection point (`unbroken.faults`) that SIGKILLs a process at one step of the
 commit protocol (file writes, fsync, marker, rename, retention, atomic replaces), every
-rank raising, exiting or being SIGKILLed right after it sent a report, or (where a tmpfs
+rank (or one rank) raising, exiting or being SIGKILLed right after it sent a report, or (where a tmpfs
 can be mounted) a disk that fills up at a random moment; with --ray, the workers are Ray
 actors on a local 2-node Ray cluster, and a launch may also lose a node (removed without
 warning, then replaced). Then the
@@ -26,7 +26,7 @@ Invariants checked at every launch and at the end of each trial:
     uninterrupted run's, bit for bit;
   - the final model equals the uninterrupted run's, bit for bit.
 
-Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray]
+Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--strike]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -203,8 +203,9 @@ def read_log(log: str) -> list[dict]:
 
 class Harness:
     def __init__(self, seed: int, workdir: str, root: str, disk: SmallDisk | None = None,
-                 cluster: RayCluster | None = None) -> None:
+                 cluster: RayCluster | None = None, strike: bool = False) -> None:
         self.rng = random.Random(seed)
+        self.strike = strike  # each trial's first launch is a fault that always strikes
         self.cluster = cluster  # the Ray cluster the workers run on (--ray), else local workers
         self.workdir = workdir
         self.root = root  # where the runs live: the work directory, or an s3:// prefix
@@ -246,6 +247,8 @@ class Harness:
         """(kind, fault spec, kill delay) for the next launch."""
         if kills >= MAX_KILLS:
             return "none", None, None
+        if self.strike and kills == 0:
+            return self.report_fault()
         r = self.rng.random()
         if r < 0.15:
             return "worker-fault", f"{self.rng.choice(WORKER_POINTS)}:{self.rng.randint(1, 6)}", None
@@ -256,14 +259,19 @@ class Harness:
         if r < 0.55:
             return "replace-fault", f"{self.rng.choice(OTHER_POINTS)}:{self.rng.randint(1, 12)}", None
         if r < 0.65:
-            action = self.rng.choice(REPORT_ACTIONS)
-            return "report-fault", f"after_report:{self.rng.randint(1, 6)}:{action}", None
+            return self.report_fault()
         if r < 0.72 and self.disk is not None:
             return "disk-full", None, None
         delay = self.rng.uniform(0, self.duration)
         if r < 0.85:
             return "kill-driver", None, delay
         return ("lose-node" if self.cluster is not None and r < 0.92 else "kill-worker"), None, delay
+
+    def report_fault(self) -> tuple[str, str, None]:
+        """Every rank, or one, raises, exits or is SIGKILLed right after sending report n."""
+        action = self.rng.choice(REPORT_ACTIONS)
+        rank = self.rng.choice(["", ":0", ":1"])
+        return "report-fault", f"after_report:{self.rng.randint(1, 6)}:{action}{rank}", None
 
     def trial(self, index: int) -> None:
         storage = f"{self.root}/trial-{index}"
@@ -359,22 +367,22 @@ class Harness:
 
     def check_reported_round(self, path: str, before: str | None, fault: str, attempts_before: int,
                              where: str) -> None:
-        """Every rank sent report n of this launch and then died: that round is on record, and
-        committed when it carried a checkpoint."""
+        """Every rank sent report n of this launch, and then one rank or all of them died: that
+        round is on record, and committed when it carried a checkpoint."""
         iteration = (commit.iteration_of(before) if before else 0) + int(fault.split(":")[1])
         attempt = attempts_before + 1
         every = read_rows(Storage.from_url(path))
         rows = [r for r in every if r.get("attempt") == attempt]
         if iteration not in [r["training_iteration"] for r in rows]:
             seen = [(r.get("attempt"), r.get("training_iteration")) for r in every]
-            self.violations.append(f"{where}: every rank reported iteration {iteration} and then "
-                                   f"died ({fault}), but its row was lost (expected in attempt "
+            self.violations.append(f"{where}: every rank reported iteration {iteration}, then "
+                                   f"{fault} struck, but its row was lost (expected in attempt "
                                    f"{attempt}; rows as (attempt, iteration): {seen}; run.json has "
                                    f"{_attempt_count(path)} attempts)")
         committed = newest_committed(path, self.violations)
         if iteration % CKPT_EVERY == 0 and committed != commit.checkpoint_name(iteration):
             self.violations.append(f"{where}: every rank reported iteration {iteration} with a "
-                                   f"checkpoint and then died ({fault}), but the newest committed "
+                                   f"checkpoint, then {fault} struck, but the newest committed "
                                    f"checkpoint is {committed}")
 
     def check_finished(self, path: str, trial: int) -> None:
@@ -524,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     parser.add_argument("--s3", action="store_true",
                         help="keep the runs on an S3-compatible server (moto) started on loopback")
+    parser.add_argument("--strike", action="store_true",
+                        help="begin each trial with a fault that always strikes (a rank dying "
+                             "right after a report), then random ones")
     parser.add_argument("--ray", action="store_true",
                         help="run the workers on a local 2-node Ray cluster (the Ray engine)")
     args = parser.parse_args(argv)
@@ -531,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \
             local_disk(workdir, not args.s3) as disk, ray_cluster(args.ray) as cluster:
-        harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk, cluster)
+        harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk, cluster, args.strike)
         harness.reference()
         for i in range(args.trials):
             seen = len(harness.violations)

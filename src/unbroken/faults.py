@@ -1,9 +1,10 @@
-"""Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>]]` strikes this
-process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
-the default), `exit` (`os._exit(3)`, no clean-up) or `raise` (InjectedFault, as if the
-code right after the point raised). With `UNBROKEN_FAULT_LOG=<file>` it first appends
-the point's name and pid to that file, so a harness can tell an injected fault from a
-real failure. Costs one environment lookup when unset.
+"""Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>[:<rank>]]]` strikes
+this process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
+the default), `exit` (`os._exit(3)`, no clean-up) or `raise` (InjectedFault, as if the code
+right after the point raised). With a rank, only the worker of that world rank is struck. With
+`UNBROKEN_FAULT_LOG=<file>` it first appends the point's name and pid to that file, so a
+harness can tell an injected fault from a real failure. Costs one environment lookup when
+unset.
 
 The points, in protocol order: after_file_write, after_fsync (worker, per rank);
 before_marker, after_marker, before_rename, after_rename (driver, commit);
@@ -40,7 +41,10 @@ def point(name: str) -> None:
         return
     global _count
     _count += 1
-    n, _, action = rest.partition(":")
+    n, _, rest = rest.partition(":")
+    action, _, rank = rest.partition(":")
+    if rank and os.environ.get("RANK") != rank:
+        return
     if _count >= int(n or 1):
         log = os.environ.get("UNBROKEN_FAULT_LOG")
         if log:
