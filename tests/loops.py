@@ -196,7 +196,10 @@ def exact_loop(config: dict) -> None:
     Reports every rank's loss and batch indices each step, and a last row with a final
     checkpoint. Faults: kill_at=[[step, attempt, rank, mode], ...], mode raise|exit|sigkill;
     preempt_at=[step, attempt] has rank 0 send SIGTERM to the driver (its parent under fork);
-    `echo` prints "STEP n" on rank 0 after each step's report.
+    `echo` prints "STEP n" on rank 0 after each step's report. `jit`: just-in-time checkpoints
+    and per-step random streams (step_seed 7), with die_after_report=[[step, attempt, rank,
+    mode], ...] (mode raise|sigkill|hang) striking right after that step's report, before the
+    next step begins.
     """
     from unbroken.train.torch import TrainState, prepare_data_loader
 
@@ -213,7 +216,7 @@ def exact_loop(config: dict) -> None:
                                        num_workers=config.get("num_workers", 0))
     loader = prepare_data_loader(data, seed_per_sample=config.get("seed_per_sample"))
     state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
-                       best=None)
+                       best=None, **({"jit_checkpoint": True, "step_seed": 7} if config.get("jit") else {}))
     state.restore()
     kills = [tuple(k) for k in config.get("kill_at", [])]
     for epoch in range(state.epoch, config["epochs"]):
@@ -238,6 +241,9 @@ def exact_loop(config: dict) -> None:
             state.report({"loss": loss.item(), "losses": [e[0] for e in every], "epoch": epoch,
                           "step": state.step, "indices": [e[1] for e in every]},
                          checkpoint=state.step % config.get("ckpt_every", 4) == 0)
+            for step, attempt, kill_rank, mode in config.get("die_after_report", []):
+                if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+                    threading.Event().wait() if mode == "hang" else _die(mode, step)
             if config.get("echo") and rank == 0:
                 print(f"STEP {state.step}", flush=True)
         state.epoch = epoch + 1

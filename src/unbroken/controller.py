@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -24,7 +24,7 @@ from unbroken import faults
 from unbroken import manifest as mf
 from unbroken.callbacks import failed_rank
 from unbroken.checkpoint import Checkpoint
-from unbroken.commit import Marker, round_name
+from unbroken.commit import Marker, checkpoint_name, round_name
 from unbroken.config import RunConfig, ScalingConfig
 from unbroken.engine import make_worker_group
 from unbroken.engine.base import Placement, WorkerGroup, WorkerGroupFactory
@@ -40,8 +40,9 @@ from unbroken.errors import (
     WorkerGroupError,
 )
 from unbroken.failure_policy import FailureDecision, FailurePolicy
+from unbroken.jit_checkpoint import Coordinator, settle
 from unbroken.preemption import Interrupts
-from unbroken.protocol import Done, Failed, Rendezvous, Reply, Report
+from unbroken.protocol import JIT_MESSAGES, Done, Failed, Rendezvous, Reply, Report
 from unbroken.report_rounds import ReportRounds
 from unbroken.run import Run
 from unbroken.session import WorkerInfo
@@ -186,6 +187,62 @@ class Controller:
             f"run {self.run.path!r} was interrupted by {self.interrupts.signal_name}; {where}.\n"
             f"Continue it with {self.restore_hint}") from None
 
+    def _save_just_in_time(self, group: WorkerGroup, rounds: ReportRounds,
+                           failures: list[tuple[int, BaseException]]) -> None:
+        """The failure is final: when the ranks' TrainState can (`jit_checkpoint`), have a
+        surviving rank save the last complete round, commit it as that round's checkpoint, and
+        say in the attempt record what happened."""
+        jit = self._jit
+        if not jit.armed or jit.closed:
+            return
+        started = time.monotonic()
+        target, row = self._jit_target()
+
+        def running() -> set[int]:
+            return set(range(rounds.num_workers)) - rounds.failed - set(rounds.done)
+
+        def events(timeout: float) -> Iterator[tuple[int, Any]]:
+            for rank, message in group.poll(timeout):
+                self._take(group, rounds, failures, rank, message)
+                yield rank, message
+
+        saved = settle(jit, group, target, running, events)
+        record: dict[str, Any] = {"iteration": None}
+        if saved is not None and row is not None:
+            try:
+                self.run.commit_checkpoint(saved.iteration, [saved.files],
+                                           {**row, "checkpoint_dir_name": checkpoint_name(saved.iteration)})
+                record = {"iteration": saved.iteration, "rank": jit.saver,
+                          "seconds": round(time.monotonic() - started, 3)}
+                log.warning("run %s: rank %d saved iteration %d just in time; the next attempt resumes "
+                            "there", self.run.path, jit.saver, saved.iteration)
+            except StorageError as e:
+                jit.reasons.append(f"the commit failed: {e}")
+        if record["iteration"] is None:
+            record["why_not"] = "; ".join(jit.reasons) or "no rank offered"
+            log.warning("run %s: no just-in-time checkpoint (%s); the next attempt resumes from the "
+                        "latest periodic one", self.run.path, record["why_not"])
+        self.run.attempt.jit_checkpoint = record
+
+    def _jit_target(self) -> tuple[int | None, dict | None]:
+        """(the iteration a just-in-time checkpoint may save, its round's row): the last round
+        this attempt completed, when it is newer than the latest checkpoint and has none of its
+        own; (None, None) otherwise, with the reason noted."""
+        rows = self.run.history.rows
+        row = rows[-1] if rows else None
+        if row is None or row.get("attempt") != self.run.attempt.number:
+            self._jit.reasons.append("no report round was completed in this attempt")
+            return None, None
+        iteration = row["training_iteration"]
+        latest = self.run.checkpoints.latest
+        if row.get("checkpoint_dir_name"):
+            self._jit.reasons.append(f"round {iteration} has a checkpoint of its own")
+        elif latest is not None and latest.iteration >= iteration:
+            self._jit.reasons.append(f"checkpoint {latest.name} is as new as round {iteration}")
+        else:
+            return iteration, row
+        return None, None
+
     def _payload(self, resume: Marker | None, probe: str | None, placement: Placement) -> WorkerPayload:
         run, scaling = self.run, self.scaling
         checkpoint = None
@@ -214,6 +271,7 @@ class Controller:
         INTERRUPTED (with the workers still running) on a second signal.
         """
         rounds = ReportRounds(self.scaling.num_workers, last_heard=time.monotonic())
+        self._jit = Coordinator()
         failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
         failed_at = 0.0
         signals = 0
@@ -225,6 +283,7 @@ class Controller:
             timeout = POLL_S
             if failures:
                 if not rounds.can_complete() or now - failed_at >= ROUND_GRACE_S:
+                    self._save_just_in_time(group, rounds, failures)
                     raise _root_cause(group, failures)
                 timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
             if hang_s is not None:
@@ -265,6 +324,8 @@ class Controller:
             complete = rounds.add_report(rank, message)
             if complete is not None:
                 self._complete_round(group, message.iteration, complete)
+        elif isinstance(message, JIT_MESSAGES):
+            self._jit.take(group, rank, message)
         elif isinstance(message, Rendezvous):
             for other in range(1, rounds.num_workers):
                 group.send(other, message)

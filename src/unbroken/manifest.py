@@ -50,6 +50,10 @@ class Attempt:
     # {"train_loop_config.epochs": {"saved": 8, "now": 10}} (a side is absent where the key was).
     # Only in run.json when there is one, so that runs without changes read as before.
     config_change: dict[str, dict[str, Any]] | None = None
+    # With TrainState(jit_checkpoint=True), what a failure of this attempt saved just in time:
+    # {"iteration": 6, "rank": 0, "seconds": 0.05}, or {"iteration": None, "why_not": "..."}
+    # (see unbroken.jit_checkpoint). Only in run.json when there is one.
+    jit_checkpoint: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:
@@ -93,8 +97,9 @@ class RunManifest:
     def to_bytes(self) -> bytes:
         raw = asdict(self)
         for attempt in raw["attempts"]:
-            if attempt["config_change"] is None:
-                del attempt["config_change"]
+            for optional in ("config_change", "jit_checkpoint"):
+                if attempt[optional] is None:
+                    del attempt[optional]
         return json.dumps(raw, indent=1, sort_keys=True, default=repr).encode()
 
     @classmethod

@@ -59,7 +59,38 @@ class Failed:
     error: bytes | None = None
 
 
-WorkerMessage = Union[Report, Rendezvous, Done, Failed]
+@dataclass(slots=True)
+class JitArmed:
+    """This rank's TrainState can save a just-in-time checkpoint (see `jit_checkpoint`)."""
+
+
+@dataclass(slots=True)
+class JitOffer:
+    """This rank's loop failed; it can save checkpoint `iteration` just in time (None: it
+    cannot, for `reason`). Sent before its `Failed`; the rank then waits for a `JitSave`."""
+
+    iteration: int | None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class JitSave:
+    """The driver's word to a rank that offered: save checkpoint `iteration` (None: do not)."""
+
+    iteration: int | None
+
+
+@dataclass(slots=True)
+class JitSaved:
+    """The just-in-time checkpoint `iteration` is staged (`files`), or could not be (`error`)."""
+
+    iteration: int
+    files: list[FileEntry] | None
+    error: str = ""
+
+
+JIT_MESSAGES = (JitArmed, JitOffer, JitSaved)
+WorkerMessage = Union[Report, Rendezvous, JitArmed, JitOffer, JitSaved, Done, Failed]
 Outcome = Union[Done, Failed]
 
 
@@ -91,7 +122,7 @@ TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
 
 # -- on the wire --------------------------------------------------------------------------------
 _KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
-                            TrialFailed)
+                            TrialFailed, JitArmed, JitOffer, JitSave, JitSaved)
 _TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
 
 

@@ -34,6 +34,7 @@ from unbroken.storage import Storage, split_run_url
 
 if TYPE_CHECKING:
     from unbroken.engine.base import Channel
+    from unbroken.jit_checkpoint import Tracker
 
 
 log = logging.getLogger("unbroken")
@@ -166,6 +167,7 @@ class Session:
         self._awaiting_reply = False
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self.context = TrainContext(info, self)
+        self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
 
     def _take_reply(self) -> None:
         if self._awaiting_reply:
@@ -209,6 +211,8 @@ class Session:
         faults.point("after_report")
         self.iteration = iteration
         self.reports += 1
+        if self.jit is not None:
+            self.jit.after_report(iteration)
         self._awaiting_reply = True
         self._reply = NO_REPLY
         if asked:

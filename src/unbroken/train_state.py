@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from unbroken import jit_checkpoint as jit_mod
 from unbroken import session as session_mod
 from unbroken import train
 from unbroken.checkpoint import Checkpoint
@@ -143,7 +144,8 @@ class TrainState:
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-                 loader: Any = None, **extra: Any) -> None:
+                 loader: Any = None, *, jit_checkpoint: bool = False, step_seed: int | None = None,
+                 **extra: Any) -> None:
         object.__setattr__(self, "_objects", {})
         object.__setattr__(self, "_values", {})
         object.__setattr__(self, "_generators", {})
@@ -163,6 +165,9 @@ class TrainState:
             else:
                 self._check_plain(name, value)
                 self._values[name] = value
+        object.__setattr__(self, "_step_seed", _check_step_seed(step_seed, jit_checkpoint))
+        if jit_checkpoint:
+            jit_mod.arm(self, step_seed)
 
     @staticmethod
     def _check_stateful(name: str, obj: Any) -> Any:
@@ -335,10 +340,19 @@ class TrainState:
             session_mod.current("TrainState.restore()")
             checkpoint = train.get_checkpoint()
         if checkpoint is None:
+            self._start_step_streams()
             return False
         with checkpoint.as_directory() as d:
             self.load(d, strict=strict)
+        self._start_step_streams()
         return True
+
+    def _start_step_streams(self) -> None:
+        """With `step_seed`, inside a run: seed this rank's generators for the steps after the
+        run's current report (the one resumed from, or 0), as each report does for the next."""
+        session = session_mod._current
+        if self._step_seed is not None and session is not None:
+            jit_mod.seed_step(self._step_seed, session.info.world_rank, session.iteration, self._generators)
 
     def load(self, directory: str | os.PathLike, *, strict: bool = True) -> None:
         """Load a checkpoint directory written by `save`/`report` into this state."""
@@ -428,6 +442,20 @@ class TrainState:
             raise StateMismatchError(message + ". Hint: build the TrainState with the same names the "
                                      "run saved, or call restore(strict=False) to load what matches")
         logger.warning("%s; loading the rest (strict=False)", message)
+
+
+def _check_step_seed(step_seed: Any, jit_checkpoint: Any) -> int | None:
+    """`step_seed` checked, with the `jit_checkpoint` option that needs it."""
+    if not isinstance(jit_checkpoint, bool):
+        raise TypeError(f"TrainState(jit_checkpoint=...) takes a bool, got {type(jit_checkpoint).__name__}")
+    if step_seed is not None and (isinstance(step_seed, bool) or not isinstance(step_seed, int)):
+        raise TypeError(f"TrainState(step_seed=...) takes an int, got {type(step_seed).__name__}")
+    if jit_checkpoint and step_seed is None:
+        raise ValueError("TrainState(jit_checkpoint=True) needs step_seed=<int>: a rank that dies takes its "
+                         "random state with it, so a just-in-time checkpoint is exact only when every "
+                         "rank's random draws after a report follow from (step_seed, rank, report). "
+                         "Hint: TrainState(..., jit_checkpoint=True, step_seed=1234)")
+    return step_seed
 
 
 def read_payload(path: str) -> dict[str, Any]:

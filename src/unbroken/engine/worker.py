@@ -17,6 +17,7 @@ from typing import Any
 
 import cloudpickle
 
+from unbroken import jit_checkpoint
 from unbroken import session as session_mod
 from unbroken.engine.base import Channel
 from unbroken.errors import StorageNotSharedError
@@ -98,8 +99,11 @@ def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
                 blob = None
             outcome = Failed(traceback.format_exc(), blob)
         try:
+            offered = isinstance(outcome, Failed) and jit_checkpoint.offer(session)
             channel.send(outcome)
-        except OSError:
+            if offered:
+                jit_checkpoint.save_if_asked(session)  # the last report's state, if the driver says so
+        except (OSError, EOFError):
             pass  # the driver is gone
     finally:
         try:

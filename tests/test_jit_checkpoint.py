@@ -1,0 +1,141 @@
+"""Just-in-time checkpoints: when a rank fails, a survivor saves the last complete round, the
+next attempt resumes there, and the run still ends bit for bit like the uninterrupted one.
+
+Real worker processes: 2 ranks on gloo (DDP), the local engine, `exact_loop` with
+TrainState(jit_checkpoint=True, step_seed=...): dropout, augmentation, AdamW and a scheduler,
+a periodic checkpoint every 4 steps. The failures strike right after the report of step 6,
+so the JIT checkpoint is 6 and the periodic one 4.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from loops import exact_loop
+from test_exact_resume import BASE, assert_same_run
+from unbroken.jit_checkpoint import OFFER_WAIT_S, Tracker, seed_step
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer, TrainState
+from unbroken.train_state import capture_rng
+
+STEP = 6  # the report the failures follow
+PERIODIC = 4  # the periodic checkpoint before it
+
+
+def fit(storage, name, max_failures=1, **config):
+    return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
+                        scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name=name, storage_path=storage,
+                                             failure_config=FailureConfig(max_failures=max_failures))).fit()
+
+
+def attempts(result) -> list[dict]:
+    return json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["attempts"]
+
+
+def redone(result) -> int:
+    """Iterations the first attempt reported that the second one ran again."""
+    rows = [json.loads(line) for line in open(os.path.join(result.path, "result.json"))]
+    last = max(r["training_iteration"] for r in rows if r["attempt"] == 1)
+    return last - attempts(result)[1]["resumed_iteration"]
+
+
+@pytest.fixture(scope="module")
+def jit_reference(tmp_path_factory):
+    """The uninterrupted run with per-step random streams."""
+    return fit(str(tmp_path_factory.mktemp("jit")), "reference", max_failures=0)
+
+
+@pytest.mark.parametrize("mode", ["sigkill", "raise"])
+def test_a_failed_rank_resumes_from_the_survivors_checkpoint_bit_for_bit(storage, jit_reference, mode):
+    # Rank 1 dies (or raises) right after report 6; rank 0, released from step 7's all-reduce,
+    # saves checkpoint 6, and the next attempt resumes there instead of at checkpoint 4.
+    result = fit(storage, f"jit-{mode}", die_after_report=[[STEP, 1, 1, mode]])
+    first, second = attempts(result)
+    assert first["status"] == "ERRORED" and second["status"] == "FINISHED"
+    assert first["jit_checkpoint"]["iteration"] == STEP and first["jit_checkpoint"]["rank"] == 0, first
+    assert second["resumed_from"] == f"checkpoint_{STEP:06d}"
+    assert redone(result) <= 1
+    assert_same_run(result, jit_reference, f"rank 1 {mode} after report {STEP}")
+
+
+def test_a_step_in_flight_falls_back_to_the_periodic_checkpoint(storage, jit_reference):
+    # Rank 1 raises after step 6's optimizer step, before its report: no rank is clean since
+    # report 5, so there is no JIT checkpoint and the attempt record says why.
+    result = fit(storage, "jit-dirty", kill_at=[[STEP, 1, 1, "raise"]])
+    first, second = attempts(result)
+    assert first["jit_checkpoint"]["iteration"] is None
+    assert "an optimizer step began after report 5" in first["jit_checkpoint"]["why_not"], first
+    assert second["resumed_from"] == f"checkpoint_{PERIODIC:06d}"
+    assert_same_run(result, jit_reference, "rank 1 raised after step 6's optimizer step")
+
+
+def test_a_survivor_killed_while_saving_leaves_the_previous_checkpoint(storage, jit_reference, monkeypatch):
+    # Rank 0 is killed halfway through its emergency save (its random state files staged, not
+    # train_state.pt): nothing torn is committed, and the next attempt resumes from checkpoint 4.
+    monkeypatch.setenv("UNBROKEN_FAULT", "during_jit_save:1:kill:0")
+    result = fit(storage, "jit-saver-killed", die_after_report=[[STEP, 1, 1, "sigkill"]])
+    first, second = attempts(result)
+    assert first["jit_checkpoint"] == {"iteration": None, "why_not": "rank 0 died while saving"}, first
+    assert second["resumed_from"] == f"checkpoint_{PERIODIC:06d}"
+    assert not [n for n in os.listdir(result.path) if ".tmp-" in n]
+    assert_same_run(result, jit_reference, "rank 0 killed during its just-in-time save")
+
+
+def test_a_survivor_that_never_offers_is_not_waited_for(storage, jit_reference):
+    # Rank 1 dies after report 6 while rank 0 hangs outside any collective (as with a peer on
+    # a lost node): the driver waits OFFER_WAIT_S for an offer, then falls back.
+    result = fit(storage, "jit-hung", die_after_report=[[STEP, 1, 1, "sigkill"], [STEP, 1, 0, "hang"]])
+    first, second = attempts(result)
+    assert "no rank offered within" in first["jit_checkpoint"]["why_not"], first
+    assert OFFER_WAIT_S <= first["ended_at"] - first["started_at"] < OFFER_WAIT_S + 20
+    assert second["resumed_from"] == f"checkpoint_{PERIODIC:06d}"
+    assert_same_run(result, jit_reference, "rank 0 hung after report 6")
+
+
+# -- in-process: the pieces -----------------------------------------------------------------------
+def test_jit_checkpoint_needs_a_step_seed():
+    with pytest.raises(ValueError, match="step_seed"):
+        TrainState(model=torch.nn.Linear(2, 1), jit_checkpoint=True)
+    with pytest.raises(TypeError, match="step_seed"):
+        TrainState(model=torch.nn.Linear(2, 1), step_seed=1.5)
+
+
+def test_step_streams_are_a_function_of_seed_rank_and_report():
+    seed_step(7, 1, 5, {})
+    first = capture_rng()
+    torch.rand(3)
+    seed_step(7, 1, 5, {})
+    again = capture_rng()
+    assert torch.equal(first["torch"], again["torch"])
+    assert torch.equal(first["python"]["internal"], again["python"]["internal"])
+    seed_step(7, 0, 5, {})
+    assert not torch.equal(first["torch"], capture_rng()["torch"])
+
+
+def test_tracker_saves_the_state_of_the_last_report():
+    # Buffers (BatchNorm statistics), the scheduler and plain values as of the report; the
+    # parameters and optimizer live until a step begins.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    state = TrainState(model=model, optimizer=opt, scheduler=sched, step=0)
+    tracker = Tracker(state, step_seed=7, rank=0)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    state.step = 1
+    tracker.snapshot(1)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(8, 4)).sum().backward()  # the next forward moves the BatchNorm statistics
+    sched.step()
+    state.step = 2
+    assert tracker.problem(1) is None
+    saved = tracker.state_dicts()
+    assert all(torch.equal(saved["model"][k], want[k]) for k in want)
+    assert saved["scheduler"]["last_epoch"] == 1 and tracker.values == {"step": 1}
+    opt.step()
+    assert tracker.problem(1) == "an optimizer step began after report 1"
+    assert tracker.problem(2) == "report 2 did not complete on this rank"
