@@ -10,6 +10,8 @@ The points, in protocol order: after_file_write, after_fsync (worker, per rank);
 before_marker, after_marker, before_rename, after_rename (driver, commit);
 before_delete, during_delete (driver, retention); before_replace (any atomic file
 replace: run.json, result rows, lease); after_report (worker, right after it sent a report);
+during_jit_save (the worker saving a just-in-time checkpoint, between its files: see
+`jit_checkpoint`);
 before_trial_record (sweep driver, when a trial's process has ended and before sweep.json
 records how the trial ended).
 """

@@ -141,6 +141,12 @@ class TrainState:
     identical on every rank. A sharded model (DTensor parameters: FSDP2, tensor parallelism)
     and its optimizer are the exception: every rank saves its shards through
     torch.distributed.checkpoint, and they restore onto any number of ranks.
+
+    `step_seed`: per-step random streams: after every report (and in `restore()`) each rank's
+    generators are re-seeded from (step_seed, rank, report), so what a step draws does not
+    depend on any rank's earlier state. `jit_checkpoint=True` (needs `step_seed`): when a rank
+    fails, a surviving rank saves the state of the last report as a checkpoint
+    (`unbroken.jit_checkpoint`).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
@@ -329,7 +335,8 @@ class TrainState:
     def restore(self, checkpoint: Checkpoint | None = None, *, strict: bool = True) -> bool:
         """Load the latest committed checkpoint (`train.get_checkpoint()`), or `checkpoint`,
         into every object, the plain values and this rank's generators. Returns False, and
-        changes nothing, when there is none (a fresh run).
+        changes nothing, when there is none (a fresh run); with `step_seed`, the generators are
+        then seeded for the first steps all the same.
 
         Call it after building the model, optimizer, scheduler and loader and before the first
         training step: the generators are set last, so randomness drawn while building the
