@@ -18,6 +18,9 @@ Invariants checked at every launch and at the end of each trial:
     the launch, and what the loop loads is intact (its own hash matches);
   - a round every rank reported is recorded, and its checkpoint committed, even when the
     ranks die right after sending it;
+  - with --jit (the loop's state in a TrainState with just-in-time checkpoints): when one
+    rank dies or raises right after a report, the survivor's checkpoint of that round is
+    committed (the kills of the survivor during that save are among the random kills);
   - a full disk fails the launch with StorageFullError, and the next launch (with room
     again) resumes;
   - nothing under a committed checkpoint name is ever torn;
@@ -27,6 +30,7 @@ Invariants checked at every launch and at the end of each trial:
   - the final model equals the uninterrupted run's, bit for bit.
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--strike]
+                                     [--jit]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -69,6 +73,7 @@ RETENTION_POINTS = ("before_delete", "during_delete")
 OTHER_POINTS = ("before_replace",)
 REPORT_ACTIONS = ("kill", "exit", "raise")
 MAX_KILLS = 4
+JIT = [False]  # --jit: the loop's state is a TrainState with just-in-time checkpoints
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
 logging.getLogger("unbroken").setLevel(logging.ERROR)
@@ -130,9 +135,54 @@ def crash_loop(config: dict) -> None:
             train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d))
 
 
+def jit_loop(config: dict) -> None:
+    """crash_loop's job, with dropout, through TrainState(jit_checkpoint=True, step_seed=...):
+    a failing rank's survivor saves the last round. Logs what each attempt loads, checked
+    against its commit marker."""
+    from unbroken.train.torch import TrainState
+
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    with open(config["log"] + ".pids", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
+                              torch.nn.Linear(32, 1))
+    model = prepare_model(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11)
+    checkpoint = train.get_checkpoint()
+    state.restore()
+    if checkpoint is not None:
+        where, name = checkpoint.path.rstrip("/").rsplit("/", 1)
+        try:
+            marker: commit.Marker | None = commit.verify(Storage.from_url(where), name, full=True)
+        except TornCheckpointError:
+            marker = None
+        intact = marker is not None and marker.iteration == state.iteration
+        if rank == 0:
+            with open(config["log"], "a") as f:
+                f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": name,
+                                    "iteration": state.iteration, "intact": intact}) + "\n")
+        if not intact:
+            raise RuntimeError("a torn checkpoint was handed to the training loop")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 16, generator=g)
+    y = torch.sin(x.sum(dim=1, keepdim=True))
+    x, y = x[rank::world], y[rank::world]
+    for it in range(state.iteration + 1, config["iterations"] + 1):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.iteration = it
+        state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0)
+
+
 def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
     return TorchTrainer(
-        crash_loop, train_loop_config={"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log},
+        jit_loop if JIT[0] else crash_loop,
+        train_loop_config={"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
@@ -195,6 +245,11 @@ def read_manifest(path: str) -> dict | None:
         return None
 
 
+def read_struck(fault_log: str) -> list[str]:
+    """The fault points that struck, in order, as UNBROKEN_FAULT_LOG recorded them."""
+    return open(fault_log).read().split()[::2] if os.path.exists(fault_log) else []
+
+
 def read_log(log: str) -> list[dict]:
     if not os.path.exists(log):
         return []
@@ -241,6 +296,9 @@ class Harness:
     @staticmethod
     def final_weights(result: Result) -> dict[str, torch.Tensor]:
         with result.checkpoint.as_directory() as d:
+            if JIT[0]:
+                state = torch.load(os.path.join(d, "train_state.pt"), weights_only=True)
+                return state["state_dicts"]["model"]
             return torch.load(os.path.join(d, "state.pt"), weights_only=True)["model"]
 
     def choose(self, kills: int) -> tuple[str, str | None, float | None]:
@@ -271,7 +329,10 @@ class Harness:
         """Every rank, or one, raises, exits or is SIGKILLed right after sending report n."""
         action = self.rng.choice(REPORT_ACTIONS)
         rank = self.rng.choice(["", ":0", ":1"])
-        return "report-fault", f"after_report:{self.rng.randint(1, 6)}:{action}{rank}", None
+        fault = f"after_report:{self.rng.randint(1, 6)}:{action}{rank}"
+        if JIT[0] and rank and self.rng.random() < 0.3:
+            fault += ",during_jit_save:1:kill"  # and the survivor dies while it saves the round
+        return "report-fault", fault, None
 
     def trial(self, index: int) -> None:
         storage = f"{self.root}/trial-{index}"
@@ -358,6 +419,9 @@ class Harness:
         if manifest is None:
             return
         for attempt in manifest["attempts"][attempts_before:]:
+            jit = attempt.get("jit_checkpoint")
+            if jit:
+                self.counts["jit: saved" if jit["iteration"] else "jit: fell back"] += 1
             if attempt["resumed_from"] != before:
                 self.violations.append(f"{where}: attempt {attempt['number']} resumed from "
                                        f"{attempt['resumed_from']}, the newest committed was {before}")
@@ -380,6 +444,15 @@ class Harness:
                                    f"{attempt}; rows as (attempt, iteration): {seen}; run.json has "
                                    f"{_attempt_count(path)} attempts)")
         committed = newest_committed(path, self.violations)
+        if JIT[0] and fault.split(",")[0].count(":") == 3 and iteration % CKPT_EVERY:
+            # One rank struck right after report n: the survivor saves round n just in time,
+            # unless it was killed while saving, which must leave round n uncommitted.
+            saver_killed = "during_jit_save" in read_struck(os.path.join(self.workdir, "faults"))
+            self.counts["kills at during_jit_save"] += saver_killed
+            if saver_killed == (committed == commit.checkpoint_name(iteration)):
+                self.violations.append(f"{where}: every rank reported iteration {iteration}, then {fault} "
+                                       f"struck one rank{' and the saver' if saver_killed else ''}, "
+                                       f"and the newest committed checkpoint is {committed}")
         if iteration % CKPT_EVERY == 0 and committed != commit.checkpoint_name(iteration):
             self.violations.append(f"{where}: every rank reported iteration {iteration} with a "
                                    f"checkpoint, then {fault} struck, but the newest committed "
@@ -535,10 +608,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strike", action="store_true",
                         help="begin each trial with a fault that always strikes (a rank dying "
                              "right after a report), then random ones")
+    parser.add_argument("--jit", action="store_true",
+                        help="the loop keeps its state in a TrainState with just-in-time checkpoints")
     parser.add_argument("--ray", action="store_true",
                         help="run the workers on a local 2-node Ray cluster (the Ray engine)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    JIT[0] = args.jit
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \
             local_disk(workdir, not args.s3) as disk, ray_cluster(args.ray) as cluster:

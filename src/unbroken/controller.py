@@ -219,7 +219,7 @@ class Controller:
             except StorageError as e:
                 jit.reasons.append(f"the commit failed: {e}")
         if record["iteration"] is None:
-            record["why_not"] = "; ".join(jit.reasons) or "no rank offered"
+            record["why_not"] = "; ".join(jit.reasons) or "every rank died before it could offer"
             log.warning("run %s: no just-in-time checkpoint (%s); the next attempt resumes from the "
                         "latest periodic one", self.run.path, record["why_not"])
         self.run.attempt.jit_checkpoint = record

@@ -1,7 +1,9 @@
 """Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>[:<rank>]]]` strikes
 this process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
 the default), `exit` (`os._exit(3)`, no clean-up) or `raise` (InjectedFault, as if the code
-right after the point raised). With a rank, only the worker of that world rank is struck. With
+right after the point raised). With a rank, only the worker of that world rank is struck. Several
+specs, separated by commas, each strike at their own point (e.g. a rank killed after a
+report, and then the survivor during its just-in-time save). With
 `UNBROKEN_FAULT_LOG=<file>` it first appends the point's name and pid to that file, so a
 harness can tell an injected fault from a real failure. Costs one environment lookup when
 unset.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import os
 import signal
 
-_count = 0
+_counts: dict[str, int] = {}  # passes of each point named in UNBROKEN_FAULT so far
 
 
 class InjectedFault(RuntimeError):
@@ -38,16 +40,20 @@ def point(name: str) -> None:
     spec = os.environ.get("UNBROKEN_FAULT")
     if not spec:
         return
-    target, _, rest = spec.partition(":")
-    if name != target:
-        return
-    global _count
-    _count += 1
+    for one in spec.split(","):
+        target, _, rest = one.partition(":")
+        if name == target:
+            _strike(name, rest)
+
+
+def _strike(name: str, rest: str) -> None:
+    """Count a pass of `name` and strike when the spec's count, action and rank say so."""
+    _counts[name] = count = _counts.get(name, 0) + 1
     n, _, rest = rest.partition(":")
     action, _, rank = rest.partition(":")
     if rank and os.environ.get("RANK") != rank:
         return
-    if _count >= int(n or 1):
+    if count >= int(n or 1):
         log = os.environ.get("UNBROKEN_FAULT_LOG")
         if log:
             with open(log, "a") as f:

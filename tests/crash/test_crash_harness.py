@@ -57,3 +57,12 @@ def test_random_kills_with_workers_on_a_ray_cluster():
 def test_random_kills_on_a_ray_cluster_soak():
     pytest.importorskip("ray")
     check(run_harness(100, "--ray"), 100)
+
+
+def test_random_kills_with_just_in_time_checkpoints():
+    # The loop's state in a TrainState with just-in-time checkpoints: one rank struck right
+    # after a report leaves the survivor's checkpoint of that round committed (the harness
+    # checks it), and a kill of the survivor while it saves leaves the previous one.
+    report = run_harness(12, "--jit", "--strike")
+    check(report, 12)
+    assert report.get("jit: saved", 0) + report.get("jit: fell back", 0) >= 1, report
