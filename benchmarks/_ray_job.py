@@ -5,9 +5,12 @@
 FRAMEWORK: "local" (unbroken, local engine), "unbroken-ray" (unbroken, Ray engine) or "ray-v1"
 (Ray Train V1). The Ray ones join the cluster named by RAY_ADDRESS.
 TASK: "startup" (fit() to the first line of the loop, then train.report() in a tight loop),
-"kill" (rank 1 SIGKILLs itself mid-run) or "node" (rank 1 blocks, and bench_ray.py removes its
-node): the run restarts from its last checkpoint; rank 0 notes when the next attempt reports
-its first row and from which iteration it resumed. Prints "RESULT <json>".
+"kill" (rank 1 SIGKILLs itself mid-run, during a step's compute) or "node" (rank 1 blocks, and
+bench_ray.py removes its node): the run restarts from its last checkpoint; rank 0 notes when
+the next attempt reports its first row and from which iteration it resumed. With "jit": true
+in the params (unbroken only), the loop keeps its state in a TrainState with just-in-time
+checkpoints, so the restart resumes from the survivor's checkpoint of the last report.
+Prints "RESULT <json>".
 """
 
 import json
@@ -55,24 +58,26 @@ def startup_loop(config: dict) -> None:
 
 
 def recovery_loop(config: dict) -> None:
-    """A tiny DDP job reporting every iteration, checkpointing every `every` from rank 0."""
+    """A tiny DDP job reporting every iteration, checkpointing every `every` from rank 0 (every
+    rank with `jit`, through TrainState). Rank 1 fails during the compute of step `fail_at`."""
     rank = train.get_context().get_world_rank()
     torch.manual_seed(0)
     model = prepare_model(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
-    checkpoint = train.get_checkpoint()
-    if checkpoint is not None:
+    state = None
+    if config.get("jit"):
+        from unbroken.train.torch import TrainState
+
+        state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=0)
+        state.restore()
+        start = state.iteration
+    elif (checkpoint := train.get_checkpoint()) is not None:
         with checkpoint.as_directory() as d:
             start = torch.load(os.path.join(d, "state.pt"), weights_only=True)["iteration"]
     restarted = os.path.exists(os.path.join(WORK, "failed"))
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     for it in range(start + 1, config["iterations"] + 1):
-        time.sleep(config["step_s"])  # the rest of a training step's compute
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
         if not restarted and it == config["fail_at"] and rank == 1:
             note("failed", {"at": time.time(), "iteration": it})
             if TASK == "kill":
@@ -81,9 +86,17 @@ def recovery_loop(config: dict) -> None:
 
             note("lose", {"node_id": ray.get_runtime_context().get_node_id()})
             threading.Event().wait()  # until bench_ray.py removes this node
+        time.sleep(config["step_s"])  # the rest of a training step's compute
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
         if restarted and rank == 0 and it == start + 1:
             note("resumed.json", {"first_row": time.time(), "resumed_from": start})
-        if it % config["every"] == 0 and rank == 0:
+        if state is not None:
+            state.iteration = it
+            state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0)
+        elif it % config["every"] == 0 and rank == 0:
             with tempfile.TemporaryDirectory() as d:
                 torch.save({"iteration": it}, os.path.join(d, "state.pt"))
                 train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d))
@@ -114,6 +127,7 @@ def main() -> None:
         if TASK == "node":  # the failure is the node's removal, which bench_ray.py timed
             failed["at"] = json.load(open(os.path.join(WORK, "removed")))["at"]
         resumed = json.load(open(os.path.join(WORK, "resumed.json")))
+        # Reported before the failure and run again: the step in flight is not counted.
         out.update(recovery_s=resumed["first_row"] - failed["at"],
                    redone=failed["iteration"] - 1 - resumed["resumed_from"])
     print("RESULT " + json.dumps(out), flush=True)

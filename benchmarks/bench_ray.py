@@ -10,11 +10,16 @@ every job in a fresh Python process (benchmarks/_ray_job.py), 2 workers with one
 3. Recovery after rank 1's process is SIGKILLed: from the kill to the next attempt's first row.
 4. Recovery after rank 1's node is removed (`Cluster.remove_node`, then a replacement node is
    added): from the removal to the next attempt's first row (not for the local engine).
+5. 3 and 4 again for unbroken with the loop's state in a TrainState with just-in-time
+   checkpoints (`kill+jit`, `node+jit`): the survivor saves the last report's state, so no
+   reported iteration is redone.
 
 Ray Train V1 runs with RAY_TRAIN_V2_ENABLED=0 and trainer_resources={"CPU": 0}. Recovery jobs
-take 40 ms a step, checkpoint every 50 iterations and fail at iteration 303 (some 12 s into
-the run, after the restart was warmed up), the same in all three, so the iterations redone
-are the same by construction (2). Prints a markdown table of medians (min-max).
+take 40 ms a step, checkpoint every 50 iterations and fail during the compute of iteration 303
+(some 12 s into the run, after the restart was warmed up), the same in all three, so the
+iterations redone (reported before the failure and run again) are the same by construction
+(2), except with just-in-time checkpoints (0). `--tasks` picks the measurements. Prints a
+markdown table of medians (min-max).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ FRAMEWORKS = ("local", "unbroken-ray", "ray-v1")
 STARTUP = {"warmup": 20, "reports": 200}
 RECOVERY = {"iterations": 320, "every": 50, "fail_at": 303, "step_s": 0.04}
 MB = 2**20
+TASKS = ("startup", "kill", "node", "kill+jit", "node+jit")
 TARGETS = {"first_line_s": 0.3, "report_ms": 0.1, "kill": 0.3, "node": 0.3}  # × Ray V1
 
 
@@ -61,7 +67,8 @@ def run_job(cluster, framework: str, task: str, root: str, timeout: float) -> di
     env.pop("RAY_ADDRESS", None)
     if framework != "local":
         env["RAY_ADDRESS"] = cluster.address
-    params = STARTUP if task == "startup" else RECOVERY
+    task, _, variant = task.partition("+")
+    params = STARTUP if task == "startup" else dict(RECOVERY, jit=variant == "jit")
     proc = subprocess.Popen([sys.executable, JOB, framework, task, work, json.dumps(params)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work)
     if task == "node":
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--tasks", default=",".join(TASKS),
+                        help=f"comma-separated, of {', '.join(TASKS)}")
     args = parser.parse_args(argv)
     import ray
 
@@ -115,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster = start_cluster()
         try:
             for i in range(args.repeats):
-                for task in ("startup", "kill", "node"):
+                for task in args.tasks.split(","):
                     for fw in FRAMEWORKS:
-                        if task == "node" and fw == "local":
+                        if not runs(fw, task):
                             continue
                         out = run_job(cluster, fw, task, root, args.timeout)
                         if out is not None:
@@ -125,11 +134,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench] repeat {i + 1}/{args.repeats} done", file=sys.stderr, flush=True)
         finally:
             cluster.shutdown()
-    print(render(results, args.repeats, ray.__version__))
+    print(render(results, args.repeats, ray.__version__, args.tasks.split(",")))
     return 0
 
 
-def render(results: dict, repeats: int, ray_version: str) -> str:
+def runs(framework: str, task: str) -> bool:
+    """Whether `task` is measured for `framework`: no node loss on the local engine, and no
+    just-in-time checkpoints in Ray Train V1."""
+    return not ((framework == "local" and task.startswith("node")) or
+                (framework == "ray-v1" and task.endswith("+jit")))
+
+
+def render(results: dict, repeats: int, ray_version: str, tasks: list[str] | tuple[str, ...] = TASKS) -> str:
     def values(fw: str, task: str, key: str) -> list[float]:
         return [r[key] for r in results.get((fw, task), []) if key in r]
 
@@ -137,17 +153,23 @@ def render(results: dict, repeats: int, ray_version: str) -> str:
             ("train.report(metrics), no checkpoint, per call (rank 0)", "startup", "report_ms", "ms", 3),
             ("recovery: rank SIGKILLed → next attempt's first row", "kill", "recovery_s", "s", 2),
             ("recovery: node removed → next attempt's first row", "node", "recovery_s", "s", 2),
-            ("iterations redone after the kill", "kill", "redone", "", 0)]
+            ("iterations redone after the kill", "kill", "redone", "", 0),
+            ("with just-in-time checkpoints: recovery after the kill", "kill+jit", "recovery_s", "s", 2),
+            ("with just-in-time checkpoints: recovery after the node's removal", "node+jit",
+             "recovery_s", "s", 2),
+            ("with just-in-time checkpoints: iterations redone after the kill", "kill+jit", "redone", "", 0),
+            ("with just-in-time checkpoints: iterations redone after the node's removal", "node+jit",
+             "redone", "", 0)]
     lines = [f"## Ray engine — {repeats} repeats, 2 workers (1 CPU each) on a local 2-node Ray "
              f"{ray_version} cluster, {os.cpu_count()} CPUs", "",
              "| Measurement | local engine | unbroken, Ray engine | Ray Train V1 "
              "| Ray engine vs V1 (target) |",
              "|---|---|---|---|---|"]
-    for label, task, key, unit, digits in rows:
-        cells = [fmt(values(fw, task, key), unit, digits) if not (fw == "local" and task == "node") else "—"
-                 for fw in FRAMEWORKS]
-        ours, v1 = values("unbroken-ray", task, key), values("ray-v1", task, key)
-        target = TARGETS.get(key if task == "startup" else task) if key != "redone" else None
+    for label, task, key, unit, digits in (row for row in rows if row[1] in tasks):
+        cells = [fmt(values(fw, task, key), unit, digits) if runs(fw, task) else "—" for fw in FRAMEWORKS]
+        base = task.partition("+")[0]  # V1 has no just-in-time checkpoints: against its plain run
+        ours, v1 = values("unbroken-ray", task, key), values("ray-v1", base, key)
+        target = TARGETS.get(key if task == "startup" else base) if key != "redone" else None
         ratio = "—"
         if ours and v1 and target is not None and statistics.median(v1) > 0:
             r = statistics.median(ours) / statistics.median(v1)

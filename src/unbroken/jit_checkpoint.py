@@ -42,7 +42,6 @@ state), or when no rank could offer in time.
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import time
@@ -62,8 +61,6 @@ from unbroken.sample_seed import sample_seed, seed_generators
 if TYPE_CHECKING:
     from unbroken.session import Session
     from unbroken.train_state import TrainState
-
-log = logging.getLogger("unbroken")
 
 # How long the driver waits for the ranks still running to offer once the failure is final.
 OFFER_WAIT_S = 2.0
@@ -105,7 +102,7 @@ class _Buffers:
         self.where = [(sub, name, f"{prefix}.{name}" if prefix else name)
                       for prefix, sub in module.named_modules() for name, b in sub._buffers.items()
                       if b is not None and name not in sub._non_persistent_buffers_set]
-        self.copies: list[torch.Tensor] = [sub._buffers[name].detach().clone() for sub, name, _ in self.where]
+        self.copies: list[torch.Tensor | None] = [_copy(sub._buffers[name]) for sub, name, _ in self.where]
 
     def snapshot(self) -> None:
         live = [sub._buffers[name] for sub, name, _ in self.where]
@@ -113,13 +110,13 @@ class _Buffers:
             return
         try:
             torch._foreach_copy_(self.copies, live)
-        except RuntimeError:  # a buffer was replaced by one of another shape or device
-            self.copies = [b.detach().clone() for b in live]
+        except (RuntimeError, TypeError):  # a buffer was replaced (another shape, device, None)
+            self.copies = [_copy(b) for b in live]
 
     def overlay(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """`state_dict` with the buffers as they were at the last report."""
         for (_, _, key), copy in zip(self.where, self.copies, strict=True):
-            if key in state_dict:
+            if key in state_dict and copy is not None:
                 state_dict[key] = copy
         return state_dict
 
