@@ -243,6 +243,11 @@ def exact_loop(config: dict) -> None:
                          checkpoint=state.step % config.get("ckpt_every", 4) == 0)
             for step, attempt, kill_rank, mode in config.get("die_after_report", []):
                 if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+                    if mode == "hang" and config.get("hang_marker"):  # where it hangs, on Ray
+                        import ray
+
+                        with open(config["hang_marker"], "w") as f:
+                            f.write(ray.get_runtime_context().get_node_id())
                     threading.Event().wait() if mode == "hang" else _die(mode, step)
             if config.get("echo") and rank == 0:
                 print(f"STEP {state.step}", flush=True)

@@ -23,6 +23,7 @@ from unbroken.errors import InsufficientResourcesError, StorageNotSharedError  #
 from unbroken.train import (  # noqa: E402
     CheckpointConfig,
     FailureConfig,
+    Result,
     RunConfig,
     ScalingConfig,
     TrainingFailedError,
@@ -315,6 +316,50 @@ def test_exact_resume_on_ray_equals_the_local_engine_bit_for_bit(cluster, storag
     on_ray = run("ray", "ray")
     assert [a["status"] for a in attempts(on_ray)] == ["ERRORED", "FINISHED"]
     assert_same_run(on_ray, local, "Ray engine with a killed rank vs the local engine uninterrupted")
+
+
+def jit_run(engine: str, storage: str, name: str, **config):
+    return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
+                        scaling_config=ScalingConfig(num_workers=2, engine=engine),
+                        run_config=RunConfig(name=name, storage_path=storage, verbose=0,
+                                             failure_config=FailureConfig(max_failures=1))).fit()
+
+
+def test_a_killed_rank_on_ray_resumes_from_the_survivors_checkpoint_bit_for_bit(cluster, storage):
+    local = jit_run("local", storage, "jit-local")
+    on_ray = jit_run("ray", storage, "jit-ray", die_after_report=[[6, 1, 1, "sigkill"]])
+    first, second = attempts(on_ray)
+    assert (first["jit_checkpoint"]["iteration"], first["jit_checkpoint"]["rank"]) == (6, 0), first
+    assert second["resumed_from"] == "checkpoint_000006"
+    assert_same_run(on_ray, local, "Ray engine, rank 1 killed after report 6, vs the local engine")
+
+
+def test_a_removed_node_resumes_from_the_survivors_checkpoint_bit_for_bit(cluster, storage, tmp_path):
+    # Rank 1 hangs after report 6 and its node is removed: its processes die with the node
+    # (on this one machine their connections reset), rank 0's collective fails, and rank 0
+    # saves checkpoint 6 (where a lost node leaves rank 0 blocked instead, the driver falls
+    # back after OFFER_WAIT_S: test_jit_checkpoint's hung survivor).
+    marker = str(tmp_path / "hung")
+    driver = start_script(f"""
+from test_ray_engine import jit_run
+jit_run("ray", {storage!r}, "jit-lost-node", die_after_report=[[6, 1, 1, "hang"]], hang_marker={marker!r})
+""", RAY_ADDRESS=cluster.address)
+    wait_for(lambda: os.path.exists(marker) and open(marker).read() or driver.poll() is not None,
+             "rank 1 to block", 120)
+    node_id = open(marker).read()
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id)
+    name = "node_b" if "node_b" in resources else "node_a"
+    cluster.remove_node(node, allow_graceful=False)
+    other = {OTHER_ROOT: cluster.other_root} if name == "node_b" else {}
+    _add_node(cluster, name, {**cluster.node_env, **other})
+    _, err = driver.communicate(timeout=180)
+    assert driver.returncode == 0, err
+    on_ray = Result.from_path(os.path.join(storage, "jit-lost-node"))
+    first, second = attempts(on_ray)
+    assert first["jit_checkpoint"]["iteration"] == 6, first
+    assert second["resumed_from"] == "checkpoint_000006"
+    assert_same_run(on_ray, jit_run("local", storage, "jit-local-2"), "Ray engine, rank 1's node removed")
 
 
 # -- sweeps --------------------------------------------------------------------------------
