@@ -13,12 +13,13 @@ import os
 import pytest
 import torch
 
+from conftest import run_script
 from loops import exact_loop
 from test_exact_resume import BASE, assert_same_run
-from unbroken.jit_checkpoint import OFFER_WAIT_S, Tracker, seed_step
+from unbroken.jit_checkpoint import OFFER_WAIT_S, seed_step
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
-from unbroken.train_state import capture_rng
+from unbroken.train_state import capture_rng, restore_rng
 
 STEP = 6  # the report the failures follow
 PERIODIC = 4  # the periodic checkpoint before it
@@ -104,38 +105,59 @@ def test_jit_checkpoint_needs_a_step_seed():
 
 
 def test_step_streams_are_a_function_of_seed_rank_and_report():
-    seed_step(7, 1, 5, {})
-    first = capture_rng()
-    torch.rand(3)
-    seed_step(7, 1, 5, {})
-    again = capture_rng()
-    assert torch.equal(first["torch"], again["torch"])
-    assert torch.equal(first["python"]["internal"], again["python"]["internal"])
-    seed_step(7, 0, 5, {})
-    assert not torch.equal(first["torch"], capture_rng()["torch"])
+    before = capture_rng()
+    try:
+        g = torch.Generator()
+        seed_step(7, 1, 5, {"g": g})
+        first, first_g = capture_rng(), g.get_state()
+        torch.rand(3, generator=g)
+        torch.rand(3)
+        seed_step(7, 1, 5, {"g": g})
+        again = capture_rng()
+        assert torch.equal(first["torch"], again["torch"]) and torch.equal(first_g, g.get_state())
+        assert torch.equal(first["python"]["internal"], again["python"]["internal"])
+        assert torch.equal(first["numpy"]["keys"], again["numpy"]["keys"])
+        seed_step(7, 0, 5, {})
+        assert not torch.equal(first["torch"], capture_rng()["torch"])
+        seed_step(7, 1, 6, {})
+        assert not torch.equal(first["torch"], capture_rng()["torch"])
+    finally:
+        restore_rng(before)
+
+
+TRACKER = """
+import torch
+from unbroken.jit_checkpoint import Tracker
+from unbroken.train.torch import TrainState
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+state = TrainState(model=model, optimizer=opt, scheduler=sched, step=0)
+tracker = Tracker(state, step_seed=7, rank=0)
+model(torch.randn(8, 4)).sum().backward()
+opt.step()
+sched.step()
+state.step = 1
+tracker.snapshot(1)
+want = {k: v.clone() for k, v in model.state_dict().items()}
+model(torch.randn(8, 4)).sum().backward()  # the next forward moves the BatchNorm statistics
+sched.step()
+state.step = 2
+assert tracker.problem(1) is None
+saved = tracker.state_dicts()
+assert not torch.equal(model.state_dict()["1.running_mean"], want["1.running_mean"])
+assert all(torch.equal(saved["model"][k], want[k]) for k in want)
+assert saved["scheduler"]["last_epoch"] == 1 and tracker.values == {"step": 1}
+opt.step()
+assert tracker.problem(1) == "an optimizer step began after report 1"
+assert tracker.problem(2) == "report 2 did not complete on this rank"
+print("OK")
+"""
 
 
 def test_tracker_saves_the_state_of_the_last_report():
     # Buffers (BatchNorm statistics), the scheduler and plain values as of the report; the
-    # parameters and optimizer live until a step begins.
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
-    state = TrainState(model=model, optimizer=opt, scheduler=sched, step=0)
-    tracker = Tracker(state, step_seed=7, rank=0)
-    model(torch.randn(8, 4)).sum().backward()
-    opt.step()
-    sched.step()
-    state.step = 1
-    tracker.snapshot(1)
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    model(torch.randn(8, 4)).sum().backward()  # the next forward moves the BatchNorm statistics
-    sched.step()
-    state.step = 2
-    assert tracker.problem(1) is None
-    saved = tracker.state_dicts()
-    assert all(torch.equal(saved["model"][k], want[k]) for k in want)
-    assert saved["scheduler"]["last_epoch"] == 1 and tracker.values == {"step": 1}
-    opt.step()
-    assert tracker.problem(1) == "an optimizer step began after report 1"
-    assert tracker.problem(2) == "report 2 did not complete on this rank"
+    # parameters and optimizer live until a step begins. In a fresh process: torch ops here
+    # would start threads, and later tests could no longer fork their workers from this one.
+    assert run_script(TRACKER).stdout.strip() == "OK"
