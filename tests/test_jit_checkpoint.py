@@ -7,6 +7,8 @@ a periodic checkpoint every 4 steps. The failures strike right after the report 
 so the JIT checkpoint is 6 and the periodic one 4.
 """
 
+import contextlib
+import io
 import json
 import os
 
@@ -16,6 +18,7 @@ import torch
 from conftest import run_script
 from loops import exact_loop
 from test_exact_resume import BASE, assert_same_run
+from unbroken import cli
 from unbroken.jit_checkpoint import OFFER_WAIT_S, seed_step
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
@@ -60,6 +63,10 @@ def test_a_failed_rank_resumes_from_the_survivors_checkpoint_bit_for_bit(storage
     assert second["resumed_from"] == f"checkpoint_{STEP:06d}"
     assert redone(result) <= 1
     assert_same_run(result, jit_reference, f"rank 1 {mode} after report {STEP}")
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        cli.main(["show", result.path])
+    assert f"attempt 1: rank 0 saved iteration {STEP} just in time" in shown.getvalue()
 
 
 def test_a_step_in_flight_falls_back_to_the_periodic_checkpoint(storage, jit_reference):
@@ -127,6 +134,7 @@ def test_step_streams_are_a_function_of_seed_rank_and_report():
 
 TRACKER = """
 import torch
+from unbroken import cli
 from unbroken.jit_checkpoint import Tracker
 from unbroken.train.torch import TrainState
 

@@ -175,6 +175,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         if a.get("config_change"):
             print(f"  attempt {a['number']} continued the run with a changed configuration:")
             print("\n".join(f"  {line}" for line in mf.config_change_lines(a["config_change"])))
+        jit = a.get("jit_checkpoint")
+        if jit:
+            print(f"  attempt {a['number']}: " + (
+                f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
+                if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
 
     print("\ncheckpoints (file sizes checked; `unbroken verify` also checks hashes)")
     rows = [[c.name, _state(c), _or_dash(c.iteration), _or_dash(c.attempt), _or_dash(c.files),
