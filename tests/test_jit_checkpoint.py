@@ -19,7 +19,8 @@ from conftest import run_script
 from loops import exact_loop
 from test_exact_resume import BASE, assert_same_run
 from unbroken import cli
-from unbroken.jit_checkpoint import OFFER_WAIT_S, seed_step
+from unbroken.jit_checkpoint import OFFER_WAIT_S, Coordinator, seed_step
+from unbroken.protocol import JitArmed, JitOffer, JitSaved
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
 from unbroken.train_state import capture_rng, restore_rng
@@ -169,3 +170,43 @@ def test_tracker_saves_the_state_of_the_last_report():
     # parameters and optimizer live until a step begins. In a fresh process: torch ops here
     # would start threads, and later tests could no longer fork their workers from this one.
     assert run_script(TRACKER).stdout.strip() == "OK"
+
+
+class Sent:
+    """A group that only records what the driver sends."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, rank, message):
+        self.sent.append((rank, message.iteration))
+
+
+def test_the_lowest_clean_rank_saves_and_a_higher_one_is_released_while_rank_0_runs():
+    jit, group = Coordinator(), Sent()
+    for rank in range(3):
+        jit.take(group, rank, JitArmed())
+    jit.take(group, 2, JitOffer(6))
+    jit.choose(group, 6, running={0, 1})
+    assert group.sent == [(2, None)] and jit.saver is None  # rank 2 ends: that frees ranks 0, 1
+    assert jit.waiting_for({0, 1}) == "offers"
+    jit.take(group, 1, JitOffer(None, "an optimizer step began after report 6"))
+    jit.take(group, 0, JitOffer(6))
+    jit.choose(group, 6, running=set())
+    assert group.sent == [(2, None), (1, None), (0, 6)] and jit.saver == 0
+    assert jit.waiting_for(set()) == "save"
+    jit.take(group, 0, JitSaved(6, []))
+    assert jit.waiting_for(set()) is None
+    assert jit.reasons == ["rank 1: an optimizer step began after report 6"]
+
+
+def test_an_offer_of_an_incomplete_round_is_refused_with_the_reason():
+    jit, group = Coordinator(), Sent()
+    jit.take(group, 0, JitArmed())
+    jit.take(group, 0, JitOffer(7))
+    jit.choose(group, 6, running=set())
+    assert group.sent == [(0, None)] and jit.saver is None
+    assert jit.reasons == ["rank 0: its round 7 is not complete"]
+    jit.close(group)
+    jit.take(group, 1, JitOffer(6))  # too late: told at once
+    assert group.sent == [(0, None), (1, None)]

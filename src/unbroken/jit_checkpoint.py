@@ -319,8 +319,8 @@ class Coordinator:
             if rank in self.answered or offer.iteration is None:
                 continue
             if self.saver is not None or offer.iteration != target:
-                if offer.iteration != target:
-                    self.reasons.append(f"rank {rank}: round {offer.iteration} cannot be committed")
+                if target is not None and offer.iteration != target:
+                    self.reasons.append(f"rank {rank}: its round {offer.iteration} is not complete")
                 self._answer(group, rank, None)
             elif any(r < rank for r in running & self.armed):
                 self._answer(group, rank, None)  # exiting releases the lower ranks blocked with it
