@@ -15,7 +15,13 @@ with `fully_shard`, AdamW after one step (so the state is the weights and two mo
   staging directory, and the report flushes and sums them and sends their list. "committed"
   is until the driver's reply, which a loop takes at its next report: the driver has written
   the marker last and renamed the directory into place (retention off, so that deleting old
-  checkpoints is not timed).
+  checkpoints is not timed);
+- async save: `TrainState(async_save=True).report(..., checkpoint=True)`. "blocked" is until it
+  returns (the snapshot: the shards copied in memory); then training steps run while the
+  files are written in the background, and "slowdown" is what those steps took beyond the
+  same steps without a save in flight (measured just before); "stall" is blocked + slowdown,
+  what training lost to the save (target: <= 25% of the sync save's blocked time on CPU);
+  "committed" is until `get_all_reported_checkpoints()` returns, i.e. the driver committed it.
 
 A measurement is the slowest rank's time. Dirty pages are flushed (os.sync) before each one.
 Prints a markdown table of medians (min-max) and the ratios to raw torch.save (target: sync
@@ -26,6 +32,7 @@ run back to back, so that load from other work that drifts slowly cancels out).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -36,6 +43,7 @@ from typing import Any
 
 import torch
 
+from unbroken import session as _session
 from unbroken import train
 from unbroken.train import RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
@@ -92,6 +100,8 @@ def bench_loop(config: dict) -> None:
     model(torch.randn(8, width)).pow(2).mean().backward()
     opt.step()
     state = TrainState(model=model, optimizer=opt)
+    background = TrainState(model=model, optimizer=opt, async_save=True)
+    batch = torch.randn(8, width)
     shards = local_shards(state)
     nbytes = tensor_bytes(shards)
     scratch = os.path.join(config["scratch"], f"rank{rank}")
@@ -116,11 +126,47 @@ def bench_loop(config: dict) -> None:
         train.get_context().should_checkpoint()  # the driver's reply: the checkpoint committed
         return {"sync save, blocked": blocked}
 
-    methods = {"disk": disk, "raw torch.save": raw, "sync save, committed": sync_save}
-    times: dict[str, list[float]] = {name: [] for name in [*methods, "sync save, blocked"]}
+    def step(more: bool) -> bool:
+        """One training step; True while any rank says `more` (every rank steps alike: FSDP's
+        collectives need it)."""
+        opt.zero_grad()
+        model(batch).pow(2).mean().backward()
+        opt.step()
+        flag = torch.tensor([int(more)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def timed_steps(n: int) -> float:
+        """The median time of a training step with no save in flight."""
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            step(True)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def async_save() -> dict[str, float]:
+        saver = _session.current("bench").saver
+        base = timed_steps(3)
+        start = time.perf_counter()
+        background.report({"it": 0}, checkpoint=True)
+        blocked = time.perf_counter() - start
+        slowdown, more = 0.0, True
+        while more:
+            t = time.perf_counter()
+            more = step(saver.writing)
+            slowdown += time.perf_counter() - t - base
+        train.get_all_reported_checkpoints()  # waits for the driver's commit
+        committed = time.perf_counter() - start
+        return {"async save, blocked": blocked, "async save, slowdown": max(slowdown, 0.0),
+                "async save, committed": committed}
+
+    methods = {"disk": disk, "raw torch.save": raw, "sync save, committed": sync_save,
+               "async save": async_save}
+    times: dict[str, list[float]] = collections.defaultdict(list)
     names = list(methods)
     for repeat in range(config["repeats"]):
-        for name in names[repeat % 3:] + names[:repeat % 3]:
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
             if rank == 0:
                 os.sync()
             torch.distributed.barrier()
@@ -167,8 +213,9 @@ def main() -> None:
           f"{args.repeats} repeats, medians (min-max); no GPU")
     print()
     print("| state | disk write + fsync | raw torch.save + fsync | sync save: blocked | "
-          "sync save: committed | blocked / raw | committed / raw | paired: blocked / raw |")
-    print("|---|---|---|---|---|---|---|---|")
+          "sync save: committed | blocked / raw | committed / raw | paired: blocked / raw | "
+          "async: blocked | async: step slowdown | async: stall / sync blocked | async: committed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for size in (int(s) for s in args.sizes.split(",")):
             got = run_size(size, args.repeats, storage)
@@ -176,9 +223,12 @@ def main() -> None:
             raw, blocked, committed = (t[k] for k in ("raw torch.save", "sync save, blocked",
                                                       "sync save, committed"))
             med = statistics.median
+            a_blocked, slowdown = t["async save, blocked"], t["async save, slowdown"]
+            stall = [(b + s) / sb for b, s, sb in zip(a_blocked, slowdown, blocked, strict=True)]
             print(f"| {got['bytes'] / MiB:.0f} MiB | {cell(t['disk'])} | {cell(raw)} | {cell(blocked)} | "
                   f"{cell(committed)} | {med(blocked) / med(raw):.2f}x | {med(committed) / med(raw):.2f}x | "
-                  f"{med(b / r for b, r in zip(blocked, raw, strict=True)):.2f}x |", flush=True)
+                  f"{med(b / r for b, r in zip(blocked, raw, strict=True)):.2f}x | {cell(a_blocked)} | "
+                  f"{cell(slowdown)} | {med(stall):.0%} | {cell(t['async save, committed'])} |", flush=True)
     finally:
         if args.storage is None:
             shutil.rmtree(storage, ignore_errors=True)

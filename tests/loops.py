@@ -195,11 +195,11 @@ def exact_loop(config: dict) -> None:
 
     Reports every rank's loss and batch indices each step, and a last row with a final
     checkpoint. Faults: kill_at=[[step, attempt, rank, mode], ...], mode raise|exit|sigkill;
-    preempt_at=[step, attempt] has rank 0 send SIGTERM to the driver (its parent under fork);
-    `echo` prints "STEP n" on rank 0 after each step's report. `jit`: just-in-time checkpoints
-    and per-step random streams (step_seed 7), with die_after_report=[[step, attempt, rank,
-    mode], ...] (mode raise|sigkill|hang) striking right after that step's report, before the
-    next step begins.
+    preempt_at=[step, attempt] has rank 0 send SIGTERM to the driver (`driver_pid`);
+    `echo` prints "STEP n" on rank 0 after each step's report; `async_save` saves in the
+    background. `jit`: just-in-time checkpoints and per-step random streams (step_seed 7), with
+    die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|hang) striking
+    right after that step's report, before the next step begins.
     """
     from unbroken.train.torch import TrainState, prepare_data_loader
 
@@ -216,7 +216,8 @@ def exact_loop(config: dict) -> None:
                                        num_workers=config.get("num_workers", 0))
     loader = prepare_data_loader(data, seed_per_sample=config.get("seed_per_sample"))
     state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
-                       best=None, **({"jit_checkpoint": True, "step_seed": 7} if config.get("jit") else {}))
+                       best=None, async_save=config.get("async_save", False),
+                       **({"jit_checkpoint": True, "step_seed": 7} if config.get("jit") else {}))
     state.restore()
     kills = [tuple(k) for k in config.get("kill_at", [])]
     for epoch in range(state.epoch, config["epochs"]):
@@ -232,7 +233,7 @@ def exact_loop(config: dict) -> None:
                 if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
                     _die(mode, step)
             if config.get("preempt_at") == [state.step, ctx.get_attempt()] and rank == 0:
-                os.kill(os.getppid(), signal.SIGTERM)  # the driver (workers are forked from it)
+                os.kill(config["driver_pid"], signal.SIGTERM)
             mine = [loss.item(), idx.tolist()]
             every = [mine]
             if world > 1:
@@ -308,3 +309,61 @@ def big_checkpoint_loop(config: dict) -> None:
             with open(os.path.join(d, f"data{rank}.bin"), "wb") as f:
                 f.write(os.urandom(config["ckpt_bytes"]))
             train.report({"it": it}, checkpoint=Checkpoint.from_directory(d))
+
+
+def async_gate_loop(config: dict) -> dict:
+    """`reports` reports, each with an ASYNC checkpoint whose background write waits until the
+    loop has looked at storage after the report returned (and, with `train_state`, changed the
+    model it saves). Returns (rank 0) what it saw: the files of that checkpoint already in the
+    run directory, the checkpoints get_all_reported_checkpoints lists, the most writes ever in
+    flight at once, whether each reported directory still existed, and the weights at each
+    report."""
+    from unbroken import async_save
+    from unbroken.train import CheckpointUploadMode
+    from unbroken.train.torch import TrainState
+
+    ctx = train.get_context()
+    rank = ctx.get_world_rank()
+    run = ctx.get_storage().experiment_fs_path
+    gates, lock = [threading.Event() for _ in range(config["reports"])], threading.Lock()
+    writing, most, started = [0], [0], [0]
+    real = async_save.write_rank_files
+
+    def gated(*args):
+        with lock:
+            gate = gates[started[0]]  # the n-th write is report n's
+            started[0] += 1
+        gate.wait()
+        with lock:
+            writing[0] += 1
+            most[0] = max(most[0], writing[0])
+        try:
+            return real(*args)
+        finally:
+            with lock:
+                writing[0] -= 1
+
+    async_save.write_rank_files = gated
+    model = torch.nn.Linear(2, 1)
+    state = TrainState(model=model, async_save=True)
+    before, kept, weights = [], [], []
+    for it in range(1, config["reports"] + 1):
+        weights.append(model.weight.detach().clone().tolist())
+        if config.get("train_state"):
+            state.report({"it": it}, checkpoint=True)
+            with torch.no_grad():
+                model.weight.add_(1.0)  # the next step, while the save has not been written yet
+        else:
+            d = tempfile.mkdtemp()
+            with open(os.path.join(d, f"rank{rank}.txt"), "w") as f:
+                f.write(str(it))
+            train.report({"it": it}, checkpoint=Checkpoint.from_directory(d),
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
+            kept.append(os.path.exists(d))
+        before.append(sorted(  # this rank's files of checkpoint `it`, committed or staged
+            f"{d}/{f}" for d in os.listdir(run) if d.startswith(f"checkpoint_{it:06d}")
+            for f in os.listdir(os.path.join(run, d)) if f"rank{rank}" in f or f == "train_state.pt"))
+        gates[it - 1].set()
+    reported = [os.path.basename(c.checkpoint.path) for c in train.get_all_reported_checkpoints()]
+    return {"before_write": before, "reported": reported, "most_writes_at_once": most[0],
+            "kept_local": kept, "weights": weights}

@@ -55,7 +55,8 @@ def fsdp_loop(config: dict) -> None:
     data = torch.utils.data.DataLoader(AugmentedDataset(config.get("samples", 48)),
                                        batch_size=config.get("batch_size", 4), shuffle=True)
     loader = prepare_data_loader(data)
-    state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0)
+    state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
+                       async_save=config.get("async_save", False))
     restored = state.restore()
     if config.get("dump_restored") and restored:
         dump_full_state(state, config["dump_restored"])

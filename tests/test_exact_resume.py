@@ -164,7 +164,7 @@ def test_preempted_run_checkpoints_by_itself_and_resumes_bit_for_bit(storage, re
     step = rng_for("preempt").randint(2, TOTAL_STEPS - 4)
     context = f"UNBROKEN_TEST_SEED={SEED}, SIGTERM to the driver at step {step}"
     with pytest.raises(TrainingInterruptedError):
-        fit(storage, "preempted", ckpt_every=1000, preempt_at=[step, 1])
+        fit(storage, "preempted", ckpt_every=1000, preempt_at=[step, 1], driver_pid=os.getpid())
     result = TorchTrainer.restore(os.path.join(storage, "preempted")).fit()
     first, second = attempts(result)
     assert first["status"] == "INTERRUPTED" and second["resumed_iteration"] >= step, context

@@ -265,8 +265,12 @@ def test_v2_script_killed_then_failed_then_rerun_reports_each_round_once(storage
     statuses = [a["status"] for a in run_json(run)["attempts"]]
     assert statuses == ["ABORTED", "ERRORED", "FINISHED"]
     # The callback saw every round; rounds after the last commit of a stopped attempt again.
+    # Except that a driver killed between a checkpoint's commit and the hook never calls it for
+    # that round (which no attempt redoes): the kill lands right after report "EPOCH 2",
+    # while epoch 1's or epoch 2's ASYNC checkpoint may be committing.
     seen = [line.split() for line in open(log).read().splitlines()]
-    assert {(int(e), int(s)) for _, e, s, _ in seen} == {(e, s) for e in range(1, 6) for s in range(4)}
+    missed = {(e, s) for e in range(1, 6) for s in range(4)} - {(int(e), int(s)) for _, e, s, _ in seen}
+    assert missed <= {(1, 3)} or missed <= {(2, 3)}, missed
     last = [(int(e), int(s), c) for a, e, s, c in seen if a == "3"]
     assert last[-1] == (5, 3, "epoch_5")
 

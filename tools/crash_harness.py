@@ -8,7 +8,8 @@ commit protocol (file writes, fsync, marker, rename, retention, atomic replaces)
 rank (or one rank) raising, exiting or being SIGKILLed right after it sent a report, or (where a tmpfs
 can be mounted) a disk that fills up at a random moment; with --ray, the workers are Ray
 actors on a local 2-node Ray cluster, and a launch may also lose a node (removed without
-warning, then replaced). Then the
+warning, then replaced); with --async, the checkpoint files are written in the background
+(the fault points inside the write then strike in the background thread). Then the
 run is restored (by `TorchTrainer.restore(path)` or by running the same trainer again
 under its name), again and again, until it finishes.
 
@@ -17,7 +18,8 @@ Invariants checked at every launch and at the end of each trial:
   - every attempt resumes from the newest committed checkpoint as it was on disk before
     the launch, and what the loop loads is intact (its own hash matches);
   - a round every rank reported is recorded, and its checkpoint committed, even when the
-    ranks die right after sending it;
+    ranks die right after sending it (with --async: when they raise, which lets the
+    background write finish; a write killed with its process leaves the previous checkpoint);
   - with --jit (the loop's state in a TrainState with just-in-time checkpoints): when one
     rank dies or raises right after a report, the survivor's checkpoint of that round is
     committed (the kills of the survivor during that save are among the random kills);
@@ -30,7 +32,7 @@ Invariants checked at every launch and at the end of each trial:
   - the final model equals the uninterrupted run's, bit for bit.
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--strike]
-                                     [--jit]
+                                     [--async] [--jit]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -62,7 +64,15 @@ from unbroken import commit, train
 from unbroken.errors import TornCheckpointError, TrainingFailedError
 from unbroken.history import read_rows, timeline
 from unbroken.storage import Storage
-from unbroken.train import Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from unbroken.train import (
+    Checkpoint,
+    CheckpointConfig,
+    CheckpointUploadMode,
+    FailureConfig,
+    Result,
+    RunConfig,
+    ScalingConfig,
+)
 from unbroken.train.torch import TorchTrainer, prepare_model
 
 ITERATIONS = 16
@@ -73,6 +83,8 @@ RETENTION_POINTS = ("before_delete", "during_delete")
 OTHER_POINTS = ("before_replace",)
 REPORT_ACTIONS = ("kill", "exit", "raise")
 MAX_KILLS = 4
+UPLOAD_MODE = {False: CheckpointUploadMode.SYNC, True: CheckpointUploadMode.ASYNC}
+ASYNC_SAVES = [False]  # --async: the loop's checkpoints are written in the background
 JIT = [False]  # --jit: the loop's state is a TrainState with just-in-time checkpoints
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
@@ -132,7 +144,8 @@ def crash_loop(config: dict) -> None:
                     f.write(buf.getvalue())
                 with open(os.path.join(d, "meta.json"), "w") as f:
                     json.dump({"iteration": it, "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}, f)
-            train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d))
+            train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d),
+                         checkpoint_upload_mode=UPLOAD_MODE[config.get("async", False)])
 
 
 def jit_loop(config: dict) -> None:
@@ -180,9 +193,9 @@ def jit_loop(config: dict) -> None:
 
 
 def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
+    config = {"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log, "async": ASYNC_SAVES[0]}
     return TorchTrainer(
-        jit_loop if JIT[0] else crash_loop,
-        train_loop_config={"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log},
+        jit_loop if JIT[0] else crash_loop, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
@@ -444,6 +457,8 @@ class Harness:
                                    f"{attempt}; rows as (attempt, iteration): {seen}; run.json has "
                                    f"{_attempt_count(path)} attempts)")
         committed = newest_committed(path, self.violations)
+        # A background write dies with its process; a rank that raises finishes it first.
+        durable = not ASYNC_SAVES[0] or fault.split(":")[2] == "raise"
         if JIT[0] and fault.split(",")[0].count(":") == 3 and iteration % CKPT_EVERY:
             # One rank struck right after report n: the survivor saves round n just in time,
             # unless it was killed while saving, which must leave round n uncommitted.
@@ -453,7 +468,7 @@ class Harness:
                 self.violations.append(f"{where}: every rank reported iteration {iteration}, then {fault} "
                                        f"struck one rank{' and the saver' if saver_killed else ''}, "
                                        f"and the newest committed checkpoint is {committed}")
-        if iteration % CKPT_EVERY == 0 and committed != commit.checkpoint_name(iteration):
+        if iteration % CKPT_EVERY == 0 and durable and committed != commit.checkpoint_name(iteration):
             self.violations.append(f"{where}: every rank reported iteration {iteration} with a "
                                    f"checkpoint, then {fault} struck, but the newest committed "
                                    f"checkpoint is {committed}")
@@ -608,12 +623,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strike", action="store_true",
                         help="begin each trial with a fault that always strikes (a rank dying "
                              "right after a report), then random ones")
+    parser.add_argument("--async", dest="async_saves", action="store_true",
+                        help="the loop's checkpoints are written in the background (ASYNC upload)")
     parser.add_argument("--jit", action="store_true",
                         help="the loop keeps its state in a TrainState with just-in-time checkpoints")
     parser.add_argument("--ray", action="store_true",
                         help="run the workers on a local 2-node Ray cluster (the Ray engine)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    ASYNC_SAVES[0] = args.async_saves
     JIT[0] = args.jit
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \

@@ -14,6 +14,7 @@ import json
 import os
 import posixpath
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -107,11 +108,12 @@ def check_custom_name(name: Any) -> str:
     return name
 
 
-def check_name_free(storage: Storage, name: str) -> None:
+def check_name_free(storage: Storage, name: str, in_flight: Collection[str] = ()) -> None:
     """CheckpointNameError if the run directory already has a checkpoint, or anything else,
-    called `name`. On object stores only a committed checkpoint counts: an upload that never
-    committed is staged in place and is written over."""
-    taken = storage.exists(name) if storage.renames_atomically else storage.exists(f"{name}/{MARKER}")
+    called `name`, or a save still `in_flight` has that name. On object stores only a committed
+    checkpoint counts: an upload that never committed is staged in place and is written over."""
+    taken = name in in_flight or (
+        storage.exists(name) if storage.renames_atomically else storage.exists(f"{name}/{MARKER}"))
     if taken:
         raise CheckpointNameError(
             f"checkpoint_dir_name {name!r} is already taken in run {storage.url()!r}: checkpoint "

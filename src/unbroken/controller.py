@@ -22,6 +22,7 @@ import cloudpickle
 
 from unbroken import faults
 from unbroken import manifest as mf
+from unbroken.async_save import PendingCommit, PendingCommits
 from unbroken.callbacks import failed_rank
 from unbroken.checkpoint import Checkpoint
 from unbroken.commit import Marker, checkpoint_name, round_name
@@ -42,7 +43,7 @@ from unbroken.errors import (
 from unbroken.failure_policy import FailureDecision, FailurePolicy
 from unbroken.jit_checkpoint import Coordinator, settle
 from unbroken.preemption import Interrupts
-from unbroken.protocol import JIT_MESSAGES, Done, Failed, Rendezvous, Reply, Report
+from unbroken.protocol import JIT_MESSAGES, Committed, Done, Failed, Rendezvous, Reply, Report, Staged
 from unbroken.report_rounds import ReportRounds
 from unbroken.run import Run
 from unbroken.session import WorkerInfo
@@ -99,6 +100,7 @@ class Controller:
         self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
         self._started = 0.0  # when the attempt's ranks were started
         self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
+        self._saves = PendingCommits(run.reported)  # the attempt's asynchronous saves not committed yet
 
     def execute(self) -> None:
         """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
@@ -266,40 +268,46 @@ class Controller:
         """Process worker messages until every worker is done; raise on any failure.
 
         A failure is raised only once no incomplete round can complete any more (see
-        `report_rounds`), so a round that every rank reported is recorded and committed first.
+        `report_rounds`) and no asynchronous save can commit any more (see `async_save`), so a
+        round that every rank reported is recorded and committed first.
         Leaves the state STOPPING when the workers stopped for a preemption, and
         INTERRUPTED (with the workers still running) on a second signal.
         """
         rounds = ReportRounds(self.scaling.num_workers, last_heard=time.monotonic())
+        self._saves = PendingCommits(self.run.reported)
         self._jit = Coordinator()
         failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
         failed_at = 0.0
         signals = 0
         hang_s = self.run_config.failure_config.hang_timeout_s
-        while not rounds.all_done:
-            self.run.lease.beat()
-            signals = self._take_signals(signals)
-            now = time.monotonic()
-            timeout = POLL_S
-            if failures:
-                if not rounds.can_complete() or now - failed_at >= ROUND_GRACE_S:
-                    self._save_just_in_time(group, rounds, failures)
-                    raise _root_cause(group, failures)
-                timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
-            if hang_s is not None:
-                timeout = max(0.0, min(timeout, rounds.hang_left(now, hang_s)))
-            events = group.poll(timeout, wake=self.interrupts)
-            now = time.monotonic()
-            if events:
-                rounds.heard(now)
-            elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
-                raise rounds.hang_error(hang_s)
-            for rank, message in events:
-                self._take(group, rounds, failures, rank, message)
-            if failures:
-                failed_at = failed_at or now
-            else:
-                rounds.check_counts()
+        try:
+            while not rounds.all_done:
+                self.run.lease.beat()
+                signals = self._take_signals(signals)
+                now = time.monotonic()
+                timeout = POLL_S
+                if failures:
+                    can_complete = rounds.can_complete() or self._saves.can_complete(rounds.failed)
+                    if not can_complete or now - failed_at >= ROUND_GRACE_S:
+                        self._save_just_in_time(group, rounds, failures)
+                        raise _root_cause(group, failures)
+                    timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
+                if hang_s is not None:
+                    timeout = max(0.0, min(timeout, rounds.hang_left(now, hang_s)))
+                events = group.poll(timeout, wake=self.interrupts)
+                now = time.monotonic()
+                if events:
+                    rounds.heard(now)
+                elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
+                    raise rounds.hang_error(hang_s)
+                for rank, message in events:
+                    self._take(group, rounds, failures, rank, message)
+                if failures:
+                    failed_at = failed_at or now
+                else:
+                    rounds.check_counts()
+        finally:
+            self._saves.close()  # the rounds behind a save that never committed
 
     def _take_signals(self, seen: int) -> int:
         """React to SIGTERM/SIGINT received since `seen` of them: the first asks for a
@@ -323,7 +331,11 @@ class Controller:
         if isinstance(message, Report):
             complete = rounds.add_report(rank, message)
             if complete is not None:
-                self._complete_round(group, message.iteration, complete)
+                self._complete_round(group, rounds, message.iteration, complete)
+        elif isinstance(message, Staged):
+            ready = self._saves.staged(rank, message)
+            if ready is not None:
+                self._commit_async(group, rounds, ready)
         elif isinstance(message, JIT_MESSAGES):
             self._jit.take(group, rank, message)
         elif isinstance(message, Rendezvous):
@@ -339,12 +351,20 @@ class Controller:
         else:
             raise TypeError(f"rank {rank} sent an unknown message {message!r}")
 
-    def _complete_round(self, group: WorkerGroup, iteration: int, by_rank: dict[int, Report]) -> None:
+    def _complete_round(self, group: WorkerGroup, rounds: ReportRounds, iteration: int,
+                        by_rank: dict[int, Report]) -> None:
         files = [by_rank[r].files for r in sorted(by_rank) if by_rank[r].files is not None]
-        name = round_name(iteration, {r: m.name for r, m in by_rank.items() if m.files is not None})
-        row = self.run.record(iteration, by_rank[0].metrics, name if files else None)
-        marker = self.run.commit_checkpoint(iteration, files, row, name) if files else None
-        self.run.reported([by_rank[r].metrics for r in sorted(by_rank)], marker)
+        pending = {r for r, m in by_rank.items() if m.pending}
+        name = round_name(iteration, {r: m.name for r, m in by_rank.items()
+                                      if m.files is not None or m.pending})
+        row = self.run.record(iteration, by_rank[0].metrics, name if files or pending else None)
+        metrics = [by_rank[r].metrics for r in sorted(by_rank)]
+        # With a save pending, committed once the ranks' background writes are durable (`_commit_async`).
+        marker = self.run.commit_checkpoint(iteration, files, row, name) if files and not pending else None
+        staged = {r: m.files for r, m in by_rank.items() if m.files is not None}
+        ready = self._saves.round(PendingCommit(iteration, name, row, metrics, staged, pending, marker))
+        if ready is not None:
+            self._commit_async(group, rounds, ready)
         if self._cold and time.monotonic() - self._started >= WARM_UP_AFTER_S and self.policy.can_retry():
             self._cold = False
             group.warm_up()  # the ranks are in their loop: get a restart ready in the background
@@ -355,7 +375,7 @@ class Controller:
                 checkpoint = True
             else:
                 stop = self._preempted = True
-                if not files:
+                if not files and not pending:
                     latest = self.run.checkpoints.latest
                     log.warning("run %s: the training loop did not attach a checkpoint to report %d when "
                                 "asked (train.get_context().should_checkpoint() was true); a restore "
@@ -367,6 +387,19 @@ class Controller:
         if self.run_config.verbose >= 2:
             log.info("run %s: %s", self.run.manifest.name,
                      {k: v for k, v in row.items() if k not in ("timestamp",)})
+
+
+    def _commit_async(self, group: WorkerGroup, rounds: ReportRounds, save: PendingCommit) -> None:
+        """Commit an asynchronous save whose files every rank made durable, and tell the ranks
+        still running (`train.get_all_reported_checkpoints` waits for it)."""
+        marker = self.run.commit_checkpoint(save.iteration, save.per_rank_files(), save.row, save.name)
+        self._saves.committed(save, marker)
+        for rank in range(rounds.num_workers):
+            if rank not in rounds.done and rank not in rounds.failed:
+                try:
+                    group.send(rank, Committed(save.iteration))
+                except OSError:
+                    pass  # it ended meanwhile: its Done is on the way
 
 
 def _failed(error: Exception, message: str) -> TrainingFailedError:

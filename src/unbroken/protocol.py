@@ -1,11 +1,13 @@
 """The messages between the driver and its workers, and between a sweep driver and its trials.
 
 Small records (treat them as immutable), the same on every engine. A worker sends
-`Report`s, rank 0 one `Rendezvous` during set-up, and ends with `Done` or `Failed`; the
-driver answers every complete round with a `Reply` and forwards rank 0's `Rendezvous` to
-the other ranks. A trial's process ends with `TrialDone`, `TrialInterrupted` or
-`TrialFailed`. How a message travels (a pipe, a socket) is the engine's business; what it
-means is here, and `to_wire` / `from_wire` give an engine a cheap form to send.
+`Report`s, rank 0 one `Rendezvous` during set-up, a `Staged` when the files of an
+asynchronous save are durable, and ends with `Done` or `Failed`; the driver answers every
+complete round with a `Reply`, forwards rank 0's `Rendezvous` to the other ranks, and says
+`Committed` when an asynchronous save is committed (see `async_save`). A trial's process
+ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message travels (a pipe,
+a socket) is the engine's business; what it means is here, and `to_wire` / `from_wire` give
+an engine a cheap form to send.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from unbroken.commit import FileEntry
 @dataclass(slots=True)
 class Report:
     """A rank's report N: its metrics, the files it staged for checkpoint N (if any), and
-    the checkpoint directory name it gave with them (None: the default name)."""
+    the checkpoint directory name it gave with them (None: the default name). `pending`: this
+    rank's files for checkpoint N are being written in the background; a `Staged` follows."""
 
     iteration: int
     metrics: dict[str, Any]
     files: list[FileEntry] | None = None
     name: str | None = None
+    pending: bool = False
 
 
 @dataclass(slots=True)
@@ -60,6 +64,22 @@ class Failed:
 
 
 @dataclass(slots=True)
+class Staged:
+    """The files of this rank's asynchronous save for checkpoint `iteration` are durable in
+    the staging area (sent after its `Report`, before any later `Staged` of this rank)."""
+
+    iteration: int
+    files: list[FileEntry]
+
+
+@dataclass(slots=True)
+class Committed:
+    """The driver committed the asynchronous checkpoint of report `iteration`."""
+
+    iteration: int
+
+
+@dataclass(slots=True)
 class JitArmed:
     """This rank's TrainState can save a just-in-time checkpoint (see `jit_checkpoint`)."""
 
@@ -90,7 +110,7 @@ class JitSaved:
 
 
 JIT_MESSAGES = (JitArmed, JitOffer, JitSaved)
-WorkerMessage = Union[Report, Rendezvous, JitArmed, JitOffer, JitSaved, Done, Failed]
+WorkerMessage = Union[Report, Rendezvous, Staged, JitArmed, JitOffer, JitSaved, Done, Failed]
 Outcome = Union[Done, Failed]
 
 
@@ -122,7 +142,7 @@ TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
 
 # -- on the wire --------------------------------------------------------------------------------
 _KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
-                            TrialFailed, JitArmed, JitOffer, JitSave, JitSaved)
+                            TrialFailed, Staged, Committed, JitArmed, JitOffer, JitSave, JitSaved)
 _TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
 
 

@@ -18,9 +18,11 @@ class CheckpointUploadMode(enum.Enum):
 
     SYNC: the report copies this rank's files into the run's staging area (fsynced) and then
     returns; the driver commits the checkpoint once every rank has reported.
-    ASYNC: the same as SYNC for now (the copy is done when the report returns; the commit
-    already follows without the report waiting for it). Its default for
-    `delete_local_checkpoint_after_upload` is True, as in Ray.
+    ASYNC: the report returns at once; this rank's files are copied into the staging area in
+    the background, and the driver commits the checkpoint once every rank's copy is durable
+    (`unbroken.async_save`). The directory must stay as it is until the next checkpoint
+    report; with `delete_local_checkpoint_after_upload` (its default for ASYNC, as in Ray)
+    it is moved aside at once, so the caller may delete or reuse the path.
     NO_UPLOAD: refused. unbroken stages and commits every checkpoint itself; a checkpoint
     that is already somewhere on storage cannot be committed atomically into the run.
     """

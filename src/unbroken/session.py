@@ -5,19 +5,24 @@
 report N+1 (or a `should_checkpoint()` query) it takes the driver's reply to report N,
 which the driver sends once every rank has reported N. So every rank sees the same
 decisions (checkpoint now, stop) at the same report, and the report path costs one
-message each way with no polling.
+message each way with no polling. A report with an asynchronous save writes its files in
+the background (`async_save`).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 import pickle
 import shutil
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from unbroken import faults, return_value
+from unbroken.async_save import BackgroundSave, stage_job
 from unbroken.checkpoint import Checkpoint
 from unbroken.commit import (
     check_name_free,
@@ -28,7 +33,7 @@ from unbroken.commit import (
 )
 from unbroken.errors import TornCheckpointError
 from unbroken.history import check_json_metrics
-from unbroken.protocol import Reply, Report
+from unbroken.protocol import Committed, Reply, Report
 from unbroken.report_config import ReportedCheckpoint
 from unbroken.storage import Storage, split_run_url
 
@@ -168,10 +173,27 @@ class Session:
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self.context = TrainContext(info, self)
         self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
+        self.saver = BackgroundSave()  # this rank's asynchronous save in flight
+        self._send_lock = threading.Lock()  # the saver's thread sends too
+        self._saved_async = 0  # the iteration of this rank's latest asynchronous save
+        self._committed_async = 0  # the latest one the driver said it committed
+        self._async_names: set[str] = set()  # the names this rank gave its asynchronous saves
+
+    def send(self, message: Any) -> None:
+        with self._send_lock:
+            self.channel.send(message)
+
+    def _recv(self) -> Any:
+        """The driver's next message but `Committed`, which is noted on the way."""
+        while True:
+            message = self.channel.recv()
+            if not isinstance(message, Committed):
+                return message
+            self._committed_async = max(self._committed_async, message.iteration)
 
     def _take_reply(self) -> None:
         if self._awaiting_reply:
-            reply = self.channel.recv()
+            reply = self._recv()
             assert isinstance(reply, Reply), reply
             self._reply = reply
             self._awaiting_reply = False
@@ -183,31 +205,75 @@ class Session:
         return self._reply.checkpoint
 
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
-               name: str | None = None, delete_local: bool = False) -> None:
+               name: str | None = None, delete_local: bool = False, asynchronous: bool = False) -> None:
         """Send this rank's report; with `checkpoint`, stage its files first (under the
         checkpoint directory `name` when given, checked by `commit.check_custom_name`) and
-        then, with `delete_local`, delete the local directory."""
+        then, with `delete_local`, delete the local directory. `asynchronous`: stage them in
+        the background instead (the directory must stay as it is until then, unless
+        `delete_local`: then it is moved aside at once and deleted once staged)."""
         check_json_metrics(metrics)
-        self._take_reply()  # from here on, every earlier report's checkpoint is committed
+        self._take_reply()  # from here on, every earlier report's synchronous checkpoint is committed
+        self.saver.check()
         iteration = self.iteration + 1
         files = None
+        if checkpoint is not None and asynchronous:
+            self._check_local(checkpoint)
+            directory = _move_aside(checkpoint.path, iteration) if delete_local else checkpoint.path
+            job = self._background_job(iteration, name, lambda: (directory, delete_local))
+            self._send_report(Report(iteration, metrics, None, name, pending=True), job)
+            return
         if checkpoint is not None:
-            if not isinstance(checkpoint, Checkpoint):
-                raise TypeError("train.report(checkpoint=...) needs a Checkpoint, e.g. "
-                                "Checkpoint.from_directory(path)")
-            if not checkpoint.is_local:
-                raise ValueError(f"train.report needs a checkpoint in a local directory, got "
-                                 f"{checkpoint.path}. Hint: write the files to a temporary "
-                                 "directory and pass Checkpoint.from_directory(it)")
+            self._check_local(checkpoint)
             storage = self.info.storage
             if name is not None:
-                check_name_free(storage, name)
+                check_name_free(storage, name, self._async_names)
             staging = staging_name(iteration, self.info.attempt, storage, name)
             files = write_rank_files(storage, staging, checkpoint.path, self.info.world_rank)
             if delete_local:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
+        self._send_report(Report(iteration, metrics, files, name if files is not None else None))
+
+    def report_async(self, metrics: dict[str, Any], produce: Callable[[], tuple[str, bool]]) -> None:
+        """Report with a checkpoint that is written in the background: `produce()`, called in
+        the saver's thread, returns the local directory of this rank's files and whether to
+        delete it once they are staged. The caller has already snapshotted what it saves."""
+        check_json_metrics(metrics)
+        self._take_reply()
+        self.saver.check()
+        iteration = self.iteration + 1
+        job = self._background_job(iteration, None, produce)
+        self._send_report(Report(iteration, metrics, None, None, pending=True), job)
+
+    @staticmethod
+    def _check_local(checkpoint: Any) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError("train.report(checkpoint=...) needs a Checkpoint, e.g. "
+                            "Checkpoint.from_directory(path)")
+        if not checkpoint.is_local:
+            raise ValueError(f"train.report needs a checkpoint in a local directory, got "
+                             f"{checkpoint.path}. Hint: write the files to a temporary "
+                             "directory and pass Checkpoint.from_directory(it)")
+
+    def _background_job(self, iteration: int, name: str | None,
+                        produce: Callable[[], tuple[str, bool]]) -> Callable[[], None]:
+        """The save of report `iteration`, to start once the report is sent; first waits for
+        this rank's previous save to be durable (one in flight)."""
+        self.saver.wait()
+        storage = self.info.storage
+        if name is not None:
+            check_name_free(storage, name, self._async_names)  # the driver may not have committed them yet
+            self._async_names.add(name)
+        staging = staging_name(iteration, self.info.attempt, storage, name)
+        return stage_job(storage, staging, iteration, self.info.world_rank, produce, self.send)
+
+    def _send_report(self, report: Report, save: Callable[[], None] | None = None) -> None:
+        """Send `report`, then start its background `save` (its `Staged` must follow it)."""
         asked = self._reply.checkpoint
-        self.channel.send(Report(iteration, metrics, files, name if files is not None else None))
+        iteration = report.iteration
+        self.send(report)
+        if save is not None:
+            self.saver.start(save)
+            self._saved_async = iteration
         faults.point("after_report")
         self.iteration = iteration
         self.reports += 1
@@ -221,21 +287,37 @@ class Session:
             self._take_reply()
 
     def finish(self) -> int:
-        """Wait for the driver to have processed the last report; returns how many reports
-        this rank made (its `Done`)."""
+        """Wait for the driver to have processed the last report, and for this rank's save in
+        flight; returns how many reports this rank made (its `Done`)."""
         try:
             self._take_reply()
         except StopTraining:
             pass
+        self.saver.wait()
         return self.reports
+
+    def drain(self) -> None:
+        """The loop failed: let the save in flight finish (the driver commits it if every rank's
+        files arrive), so that a failure costs no more than the work since that save."""
+        try:
+            self.saver.wait()
+        except BaseException as e:  # noqa: BLE001 - the loop's own error is the one to report
+            log.warning("rank %d: its checkpoint save in the background failed too: %s",
+                        self.info.world_rank, e)
 
     def get_checkpoint(self) -> Checkpoint | None:
         return self.info.checkpoint
 
     def reported_checkpoints(self) -> list[ReportedCheckpoint]:
         """The run's committed checkpoints, oldest first, once the checkpoint of this rank's
-        latest report is committed (the driver's reply to it says so)."""
+        latest report is committed (the driver's reply to it says so, or its `Committed` for an
+        asynchronous save)."""
         self._take_reply()
+        self.saver.wait()
+        while self._committed_async < self._saved_async:
+            message = self.channel.recv()
+            assert isinstance(message, Committed), message
+            self._committed_async = message.iteration
         storage = self.info.storage
         out = []
         for name in scan(storage)[0]:
@@ -262,6 +344,14 @@ class Session:
             raise KeyError(f"no dataset named {name!r}; the trainer has: {sorted(self.datasets)}. "
                            "Hint: pass datasets={name: ...} to the trainer")
         return shard(self.datasets[name], self.info.world_rank, self.info.world_size)
+
+
+def _move_aside(path: str, iteration: int) -> str:
+    """Take over a reported directory that is to be deleted anyway: a rename, so that the caller
+    may delete or reuse the path at once while the files are staged from the new one."""
+    aside = f"{path.rstrip(os.sep)}.unbroken-save-{iteration}"
+    os.rename(path, aside)
+    return aside
 
 
 def is_dataset_builder(obj: Any) -> bool:

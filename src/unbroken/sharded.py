@@ -48,21 +48,36 @@ def shard_dir(attempt: int | None) -> str:
     return f"dcp-a{attempt}" if attempt else "dcp"
 
 
-def save(directory: str, model: Any, optimizer: Any | None) -> list[str]:
-    """Write this rank's shards of `model` (and `optimizer`) into `directory`, and DCP's
-    `.metadata` on rank 0; returns the names of the files this rank wrote. Collective: every
-    rank of the process group calls it, with the same `directory` name or one of its own.
+def save(directory: str, state: dict[str, Any], process_group: Any = None) -> list[str]:
+    """Write this rank's shards of `state` (`live_state`, or a snapshot of it) into `directory`,
+    and DCP's `.metadata` on rank 0; returns the names of the files this rank wrote.
+    Collective: every rank of `process_group` (default: the default group) calls it, with the
+    same `directory` name or one of its own.
 
     The files are not fsynced here: the report that stages them makes them durable (it
     flushes each file while summing it for the commit marker, and fsyncs the directories)."""
-    state = live_state(model, optimizer)
-    metadata = dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
+    metadata = dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False),
+                        process_group=process_group)
     # The index lists every rank's files (dcp.save returns the global metadata on every rank);
     # rank r's data files are named __<r>_<n>.distcp, and rank 0 (the coordinator) wrote the index.
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     mine = {info.relative_path for info in (metadata.storage_data or {}).values()
             if info.relative_path.startswith(f"__{rank}_")}
     return sorted(mine | ({DCP_METADATA} if rank == 0 else set()))
+
+
+_background: dict[int, Any] = {}
+
+
+def background_group() -> Any:
+    """A gloo group of every rank for saves written in the background: DCP's collectives there
+    must not interleave with training's on the default group. Created once per default group,
+    collectively (every rank reaches its first asynchronous save at the same report)."""
+    world = dist.group.WORLD
+    if id(world) not in _background:
+        _background.clear()  # a default group of an earlier attempt in this process is gone
+        _background[id(world)] = dist.new_group(backend="gloo")
+    return _background[id(world)]
 
 
 def load(directory: str, model: Any, optimizer: Any | None) -> None:

@@ -32,7 +32,7 @@ import random
 import sys
 import tempfile
 from collections import OrderedDict
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -150,8 +150,11 @@ class TrainState:
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-                 loader: Any = None, *, jit_checkpoint: bool = False, step_seed: int | None = None,
-                 **extra: Any) -> None:
+                 loader: Any = None, *, async_save: bool = False, jit_checkpoint: bool = False,
+                 step_seed: int | None = None, **extra: Any) -> None:
+        if not isinstance(async_save, bool):
+            raise TypeError(f"TrainState(async_save=...) takes a bool, got {type(async_save).__name__}")
+        object.__setattr__(self, "_async_save", async_save)
         object.__setattr__(self, "_objects", {})
         object.__setattr__(self, "_values", {})
         object.__setattr__(self, "_generators", {})
@@ -159,7 +162,7 @@ class TrainState:
                           ("loader", loader)):
             if obj is not None:
                 self._objects[name] = self._check_stateful(name, obj)
-        reserved = set(dir(type(self))) | set(COMPONENTS)
+        reserved = set(dir(type(self))) | set(COMPONENTS) | {"async_save"}
         for name, value in extra.items():
             if name in reserved or name.startswith("_"):
                 raise ValueError(f"TrainState(..., {name}=...): {name!r} is a reserved name. Hint: "
@@ -267,7 +270,6 @@ class TrainState:
     def _write(self, directory: str, shards_in: str | None = None) -> list[str]:
         """`save`; with `shards_in` (a directory), the shards are written there and `directory`
         gets links to them, which the report stages without copying them again."""
-        rank, world_size = worker_ranks()
         written = []
         sharded = self.sharded_names()
         shards = None
@@ -275,16 +277,23 @@ class TrainState:
             from unbroken import sharded as sharded_mod
 
             shards = sharded_mod.shard_dir(_attempt())
-            model = _unwrap(self._objects["model"])
-            optimizer = self._objects["optimizer"] if "optimizer" in sharded else None
-            local = os.path.join(directory, shards)
-            target = os.path.join(shards_in, shards) if shards_in is not None else local
-            names = sharded_mod.save(target, model, optimizer)
-            if target != local:
-                os.makedirs(local)
-                for name in names:
-                    os.symlink(os.path.join(target, name), os.path.join(local, name))
-            written += [f"{shards}/{name}" for name in names]
+            written += _write_shards(directory, shards, self._sharded_state(sharded), shards_in)
+        return written + _write_captured(directory, *self._capture(sharded, shards))
+
+    def _sharded_state(self, sharded: list[str]) -> dict[str, Any]:
+        """This rank's shards of the model (and optimizer), for torch.distributed.checkpoint."""
+        from unbroken import sharded as sharded_mod
+
+        optimizer = self._objects["optimizer"] if "optimizer" in sharded else None
+        return sharded_mod.live_state(_unwrap(self._objects["model"]), optimizer)
+
+    def _capture(self, sharded: list[str], shards: str | None, copy: bool = False
+                 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(rank 0's `train_state.pt` payload, or None on the other ranks; this rank's RNG file),
+        checked for what torch.load(weights_only=True) loads back. With `copy`, every tensor is
+        copied (to CPU memory), so that training may go on while they are written."""
+        rank, world_size = worker_ranks()
+        payload = None
         if rank == 0:
             for name, value in self._values.items():
                 self._check_plain(name, value)
@@ -301,13 +310,9 @@ class TrainState:
                        "state_dicts": state_dicts, "values": dict(self._values)}
             if sharded:
                 payload["sharded"] = {"directory": shards, "names": sharded}
-            torch.save(payload, os.path.join(directory, STATE_FILE))
-            written.append(STATE_FILE)
         rng = capture_rng()
         rng["generators"] = {name: g.get_state() for name, g in self._generators.items()}
-        torch.save(rng, os.path.join(directory, rng_file(rank)))
-        written.append(rng_file(rank))
-        return written
+        return (snapshot(payload), rng) if copy else (payload, rng)
 
     def report(self, metrics: dict[str, Any], checkpoint: bool = False) -> bool:
         """`train.report(metrics)`, with this state saved as the checkpoint when `checkpoint`
@@ -320,15 +325,40 @@ class TrainState:
             raise TypeError(f"TrainState.report(checkpoint=...) takes a bool, got "
                             f"{type(checkpoint).__name__}. Hint: to report a checkpoint of your own, "
                             "call train.report(metrics, checkpoint=Checkpoint.from_directory(d))")
-        session_mod.current("TrainState.report()")
+        session = session_mod.current("TrainState.report()")
         # Asked before this report, so every rank gets the driver's answer for the same report.
         if not (checkpoint or train.get_context().should_checkpoint()):
             train.report(metrics)
             return False
+        if self._async_save:
+            session.report_async(metrics, self._snapshot_writer())
+            return True
         with tempfile.TemporaryDirectory(prefix="unbroken-state-") as d:
             self._write(d, _next_staging() if self.sharded_names() else None)
             train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         return True
+
+    def _snapshot_writer(self) -> Callable[[], tuple[str, bool]]:
+        """Copy this rank's part of a checkpoint into memory now; returns the function that
+        writes it into a new temporary directory later (in the background, see `async_save`)."""
+        sharded = self.sharded_names()
+        shards, shard_state, group, staging = None, None, None, None
+        if sharded:
+            from unbroken import sharded as sharded_mod
+
+            shards = sharded_mod.shard_dir(_attempt())
+            shard_state = snapshot(self._sharded_state(sharded))
+            group = sharded_mod.background_group()
+            staging = _next_staging()
+        payload, rng = self._capture(sharded, shards, copy=True)
+
+        def write() -> tuple[str, bool]:
+            directory = tempfile.mkdtemp(prefix="unbroken-state-")
+            if shard_state is not None:
+                _write_shards(directory, shards, shard_state, staging, group)
+            _write_captured(directory, payload, rng)
+            return directory, True
+        return write
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -496,6 +526,49 @@ def load_full_state(directory: str | os.PathLike) -> dict[str, Any]:
 
         out.update(sharded_mod.load_full(os.path.join(directory, sharded["directory"])))
     return out
+
+
+def _write_shards(directory: str, shards: str, state: dict[str, Any], shards_in: str | None = None,
+                  group: Any = None) -> list[str]:
+    """Write a sharded state through torch.distributed.checkpoint (collective over `group`)
+    into `directory/shards`, or into `shards_in/shards` with links to them in `directory`
+    (see `TrainState._write`); returns the file names relative to `directory`."""
+    from unbroken import sharded as sharded_mod
+
+    local = os.path.join(directory, shards)
+    target = os.path.join(shards_in, shards) if shards_in is not None else local
+    names = sharded_mod.save(target, state, group)
+    if target != local:
+        os.makedirs(local)
+        for name in names:
+            os.symlink(os.path.join(target, name), os.path.join(local, name))
+    return [f"{shards}/{name}" for name in names]
+
+
+def _write_captured(directory: str, payload: dict[str, Any] | None, rng: dict[str, Any]) -> list[str]:
+    """Write what `TrainState._capture` returned into `directory`; returns the file names."""
+    rank, _ = worker_ranks()
+    written = []
+    if payload is not None:
+        torch.save(payload, os.path.join(directory, STATE_FILE))
+        written.append(STATE_FILE)
+    torch.save(rng, os.path.join(directory, rng_file(rank)))
+    return written + [rng_file(rank)]
+
+
+def snapshot(value: Any) -> Any:
+    """`value` with every tensor in it copied (plain tensors to CPU memory; a DTensor keeps its
+    placement) and its lists, tuples and dicts rebuilt: what training does next changes
+    nothing in it."""
+    if isinstance(value, torch.Tensor):
+        if type(value).__name__ == "DTensor":
+            return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, snapshot(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(snapshot(v) for v in value)
+    return value
 
 
 def _next_staging() -> str | None:

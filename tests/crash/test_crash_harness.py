@@ -36,6 +36,15 @@ def test_random_kills_soak():
     check(run_harness(200), 200)
 
 
+def test_random_kills_with_saves_in_the_background():
+    check(run_harness(12, "--async"), 12)
+
+
+@pytest.mark.slow
+def test_random_kills_with_saves_in_the_background_soak():
+    check(run_harness(200, "--async"), 200)
+
+
 def test_random_kills_with_runs_on_s3():
     pytest.importorskip("moto")
     pytest.importorskip("s3fs")

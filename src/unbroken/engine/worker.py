@@ -93,6 +93,7 @@ def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
                 pass
             outcome = Done(session.finish())
         except BaseException as e:  # noqa: BLE001 - everything is reported to the driver
+            session.drain()
             try:
                 blob = cloudpickle.dumps(e)
             except Exception:

@@ -62,10 +62,13 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
 
     Ray Train V2's options: `checkpoint_dir_name` names the committed checkpoint directory
     (unique within the run, the same on every rank that gives one; default
-    `checkpoint_<iteration>`). `checkpoint_upload_mode` SYNC or ASYNC (both stage this rank's
-    files before returning, and neither waits for the commit; NO_UPLOAD is refused).
-    `delete_local_checkpoint_after_upload` deletes the reported local directory once its files
-    are staged (default: True for ASYNC, False for SYNC). `checkpoint_upload_fn` and
+    `checkpoint_<iteration>`). `checkpoint_upload_mode`: SYNC stages this rank's files before
+    returning; ASYNC returns at once and stages them in the background, and the checkpoint
+    commits when every rank's files are durable (leave the directory as it is until the next
+    checkpoint report, unless it is to be deleted: then it is moved aside at once); neither
+    waits for the commit; NO_UPLOAD is refused. `delete_local_checkpoint_after_upload`
+    deletes the reported local directory once its files are staged (default: True for
+    ASYNC, False for SYNC). `checkpoint_upload_fn` and
     validation (`validation`, `validate_fn`, `validate_config`) are refused with
     UnsupportedOptionError, which says what to do instead.
     """
@@ -73,8 +76,9 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
         check_custom_name(checkpoint_dir_name)
     delete_local = delete_after_upload(checkpoint_upload_mode, delete_local_checkpoint_after_upload,
                                        checkpoint_upload_fn, validation, validate_fn, validate_config)
-    _session.current("train.report()").report(metrics, checkpoint, checkpoint_dir_name,
-                                              delete_local and checkpoint is not None)
+    _session.current("train.report()").report(
+        metrics, checkpoint, checkpoint_dir_name, delete_local and checkpoint is not None,
+        asynchronous=checkpoint_upload_mode is CheckpointUploadMode.ASYNC)
 
 
 def get_checkpoint() -> Checkpoint | None:
