@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from conftest import run_script
 from loops import exact_loop
 from test_exact_resume import BASE, assert_same_run
-from unbroken import cli
+from unbroken import cli, train
 from unbroken.jit_checkpoint import OFFER_WAIT_S, Coordinator, seed_step
 from unbroken.protocol import JitArmed, JitOffer, JitSaved
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
@@ -104,6 +105,37 @@ def test_a_survivor_that_never_offers_is_not_waited_for(storage, jit_reference):
     assert_same_run(result, jit_reference, "rank 0 hung after report 6")
 
 
+def sharded_loop(config: dict) -> None:
+    """An FSDP2 model whose TrainState has just-in-time checkpoints; rank 1 dies after report
+    4 of the first attempt. A checkpoint at report 2."""
+    from sharded_loops import build_fsdp
+
+    ctx = train.get_context()
+    model = build_fsdp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = TrainState(model=model, optimizer=opt, step=0, jit_checkpoint=True, step_seed=3)
+    state.restore()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(ctx.get_world_rank()))
+    while state.step < 6:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.step += 1
+        state.report({"loss": loss.item()}, checkpoint=state.step == 2)
+        if (state.step, ctx.get_attempt(), ctx.get_world_rank()) == (4, 1, 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_sharded_model_falls_back_and_says_why(storage):
+    result = TorchTrainer(sharded_loop, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="sharded", storage_path=storage,
+                                               failure_config=FailureConfig(max_failures=1))).fit()
+    first, second = attempts(result)
+    assert "rank 0: the model is sharded" in first["jit_checkpoint"]["why_not"], first
+    assert second["resumed_from"] == "checkpoint_000002" and second["status"] == "FINISHED"
+
+
 # -- in-process: the pieces -----------------------------------------------------------------------
 def test_jit_checkpoint_needs_a_step_seed():
     with pytest.raises(ValueError, match="step_seed"):
@@ -135,7 +167,7 @@ def test_step_streams_are_a_function_of_seed_rank_and_report():
 
 TRACKER = """
 import torch
-from unbroken import cli
+from unbroken import cli, train
 from unbroken.jit_checkpoint import Tracker
 from unbroken.train.torch import TrainState
 
