@@ -202,7 +202,7 @@ def arm(state: TrainState, step_seed: int) -> None:
     first = session.jit is None
     session.jit = Tracker(state, step_seed, session.info.world_rank)
     if first:
-        session.channel.send(JitArmed())  # built before any background save sends
+        session.send(JitArmed())
 
 
 def offer(session: Session) -> bool:
@@ -216,7 +216,7 @@ def offer(session: Session) -> bool:
         why: str | None = "no report since the attempt began"
     else:
         why = tracker.problem(iteration)
-    session.channel.send(JitOffer(None if why else iteration, why or ""))
+    session.send(JitOffer(None if why else iteration, why or ""))
     return True
 
 
@@ -230,9 +230,9 @@ def save_if_asked(session: Session) -> None:
     try:
         files = save(session, session.jit, message.iteration)
     except Exception as e:  # noqa: BLE001 - the driver falls back and says why
-        session.channel.send(JitSaved(message.iteration, None, f"{type(e).__name__}: {e}"))
+        session.send(JitSaved(message.iteration, None, f"{type(e).__name__}: {e}"))
         return
-    session.channel.send(JitSaved(message.iteration, files))
+    session.send(JitSaved(message.iteration, files))
 
 
 def save(session: Session, tracker: Tracker, iteration: int) -> list[FileEntry]:

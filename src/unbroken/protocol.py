@@ -4,7 +4,10 @@ Small records (treat them as immutable), the same on every engine. A worker send
 `Report`s, rank 0 one `Rendezvous` during set-up, a `Staged` when the files of an
 asynchronous save are durable, and ends with `Done` or `Failed`; the driver answers every
 complete round with a `Reply`, forwards rank 0's `Rendezvous` to the other ranks, and says
-`Committed` when an asynchronous save is committed (see `async_save`). A trial's process
+`Committed` when an asynchronous save is committed (see `async_save`). With just-in-time
+checkpoints a rank says `JitArmed` once, a failing rank sends `JitOffer` before its `Failed`
+and waits for the driver's `JitSave`, and the chosen rank answers with `JitSaved` (see
+`jit_checkpoint`). A trial's process
 ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message travels (a pipe,
 a socket) is the engine's business; what it means is here, and `to_wire` / `from_wire` give
 an engine a cheap form to send.
