@@ -144,6 +144,22 @@ def test_driver_sigkilled_then_restored_resumes_bit_for_bit(storage, reference):
     assert_same_run(result, reference, context)
 
 
+def test_a_kill_during_an_async_background_write_keeps_the_previous_checkpoint(storage, reference,
+                                                                               monkeypatch):
+    # Rank 1 stages two files per checkpoint (its DCP shard file, its RNG file): its fifth file
+    # write is the first of step 12's checkpoint, written in the background.
+    monkeypatch.setenv("UNBROKEN_FAULT", "after_file_write:5:kill:1")
+    with pytest.raises(TrainingFailedError):
+        fit(storage, "killed-writing", async_save=True)
+    monkeypatch.delenv("UNBROKEN_FAULT")
+    run = os.path.join(storage, "killed-writing")
+    assert run_json(run)["latest_checkpoint"] == "checkpoint_000008"
+    result = TorchTrainer.restore(run).fit()
+    assert attempts(result) == ["ERRORED", "FINISHED"]
+    assert run_json(run)["attempts"][1]["resumed_from"] == "checkpoint_000008"
+    assert_same_run(result, reference, "killed in step 12's background write")
+
+
 @pytest.fixture(scope="module")
 def saved_at_step_4(results):
     """A 2-rank run stopped after step 4, whose checkpoint is taken there, and the whole
