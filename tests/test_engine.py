@@ -15,12 +15,15 @@ a = torch.randn(1500, 1500)
 print("METHOD", start_method(), flush=True)
 
 def loop():  # defined in __main__: travels to the forkserver's workers by value
+    import multiprocessing
     b = torch.randn(1500, 1500)
-    train.report({"threads": torch.get_num_threads(), "v": float((b @ b).sum() * 0)})
+    train.report({"threads": torch.get_num_threads(), "v": float((b @ b).sum() * 0),
+                  "child_start": multiprocessing.get_start_method()})
 
 result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 2}),
                       run_config=RunConfig(name="threads", storage_path=sys.argv[1])).fit()
 print("THREADS", result.metrics["threads"])
+print("CHILD START", result.metrics["child_start"])
 """
 
 
@@ -28,6 +31,9 @@ def test_driver_with_an_openmp_pool_uses_a_forkserver_and_does_not_hang(tmp_path
     out = run_script(THREADED_DRIVER, str(tmp_path)).stdout
     assert "METHOD forkserver" in out
     assert "THREADS 2" in out
+    # The loop's own processes (DataLoader workers) start as in a plain process, not from a
+    # forkserver of the rank's, which would outlive a SIGKILLed rank with its children.
+    assert "CHILD START fork" in out
 
 
 FORK_DRIVER = """

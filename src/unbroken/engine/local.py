@@ -130,6 +130,10 @@ def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     without running the driver's atexit handlers it inherited through fork."""
     ignore_terminal_signals()
     die_with_parent(parent_pid)
+    # A child of the forkserver inherits "forkserver" as its start method. The loop's own
+    # processes (DataLoader workers) must start as in a plain process: a forkserver of theirs
+    # outlives a SIGKILLed rank, and keeps its children alive with it.
+    mp.set_start_method(None, force=True)
     outcome = run_worker(payload.obj, PipeChannel(conn))
     sys.stdout.flush()
     sys.stderr.flush()
