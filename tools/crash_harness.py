@@ -31,8 +31,8 @@ Invariants checked at every launch and at the end of each trial:
     uninterrupted run's, bit for bit;
   - the final model equals the uninterrupted run's, bit for bit.
 
-Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--strike]
-                                     [--async] [--jit]
+Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
+        [--jit] [--strike] [--max-kills N]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -271,9 +271,10 @@ def read_log(log: str) -> list[dict]:
 
 class Harness:
     def __init__(self, seed: int, workdir: str, root: str, disk: SmallDisk | None = None,
-                 cluster: RayCluster | None = None, strike: bool = False) -> None:
+                 cluster: RayCluster | None = None, strike: bool = False, max_kills: int = MAX_KILLS) -> None:
         self.rng = random.Random(seed)
         self.strike = strike  # each trial's first launch is a fault that always strikes
+        self.max_kills = max_kills  # faults per trial; the launches after them run to the end
         self.cluster = cluster  # the Ray cluster the workers run on (--ray), else local workers
         self.workdir = workdir
         self.root = root  # where the runs live: the work directory, or an s3:// prefix
@@ -316,7 +317,7 @@ class Harness:
 
     def choose(self, kills: int) -> tuple[str, str | None, float | None]:
         """(kind, fault spec, kill delay) for the next launch."""
-        if kills >= MAX_KILLS:
+        if kills >= self.max_kills:
             return "none", None, None
         if self.strike and kills == 0:
             return self.report_fault()
@@ -352,7 +353,7 @@ class Harness:
         name, log = "run", os.path.join(self.workdir, f"trial-{index}.log")
         path = f"{storage}/{name}"
         kills = 0
-        for launch in range(MAX_KILLS + 3):
+        for launch in range(self.max_kills + 3):
             before = newest_committed(path, self.violations)
             attempts_before = _attempt_count(path)
             exists = TorchTrainer.can_restore(path)
@@ -412,7 +413,7 @@ class Harness:
             if result == "finished":
                 self.check_finished(path, index)
                 return
-        self.violations.append(f"trial {index}: the run did not finish after {MAX_KILLS + 3} launches")
+        self.violations.append(f"trial {index}: the run did not finish after {self.max_kills + 3} launches")
 
     def workers(self, driver: int, log: str) -> list[int]:
         """The live worker processes of the launch: the driver's children, or Ray's actors."""
@@ -620,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     parser.add_argument("--s3", action="store_true",
                         help="keep the runs on an S3-compatible server (moto) started on loopback")
+    parser.add_argument("--max-kills", type=int, default=MAX_KILLS,
+                        help=f"faults per trial at most (default {MAX_KILLS})")
     parser.add_argument("--strike", action="store_true",
                         help="begin each trial with a fault that always strikes (a rank dying "
                              "right after a report), then random ones")
@@ -636,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \
             local_disk(workdir, not args.s3) as disk, ray_cluster(args.ray) as cluster:
-        harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk, cluster, args.strike)
+        harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk, cluster, args.strike,
+                          args.max_kills)
         harness.reference()
         for i in range(args.trials):
             seen = len(harness.violations)

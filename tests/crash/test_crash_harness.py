@@ -48,7 +48,7 @@ def test_random_kills_with_saves_in_the_background_soak():
 def test_random_kills_with_runs_on_s3():
     pytest.importorskip("moto")
     pytest.importorskip("s3fs")
-    check(run_harness(2, "--s3", "--strike"), 2, commit_kills=0, restores=2)
+    check(run_harness(2, "--s3", "--strike", "--max-kills", "2"), 2, commit_kills=0, restores=2)
 
 
 @pytest.mark.slow
@@ -59,7 +59,7 @@ def test_random_kills_on_s3_soak():
 
 def test_random_kills_with_workers_on_a_ray_cluster():
     pytest.importorskip("ray")
-    check(run_harness(1, "--ray", "--strike"), 1, commit_kills=0, restores=1)
+    check(run_harness(1, "--ray", "--strike", "--max-kills", "1"), 1, commit_kills=0, restores=1)
 
 
 @pytest.mark.slow
