@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -312,12 +313,12 @@ def big_checkpoint_loop(config: dict) -> None:
 
 
 def async_gate_loop(config: dict) -> dict:
-    """`reports` reports, each with an ASYNC checkpoint whose background write waits until the
-    loop has looked at storage after the report returned (and, with `train_state`, changed the
-    model it saves). Returns (rank 0) what it saw: the files of that checkpoint already in the
-    run directory, the checkpoints get_all_reported_checkpoints lists, the most writes ever in
-    flight at once, whether each reported directory still existed, and the weights at each
-    report."""
+    """`reports` reports, each with an ASYNC checkpoint whose background write waits until the loop
+    has looked at storage after the report returned (and, with `train_state`, changed the
+    model it saves; with `remove_reported`, removed the directory it reported). Returns (rank
+    0) what it saw: its own files of that checkpoint already in the run directory, the
+    checkpoints get_all_reported_checkpoints lists, the most writes ever in flight at once,
+    whether each reported directory still existed, and the weights at each report."""
     from unbroken import async_save
     from unbroken.train import CheckpointUploadMode
     from unbroken.train.torch import TrainState
@@ -358,8 +359,11 @@ def async_gate_loop(config: dict) -> dict:
             with open(os.path.join(d, f"rank{rank}.txt"), "w") as f:
                 f.write(str(it))
             train.report({"it": it}, checkpoint=Checkpoint.from_directory(d),
-                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=not config.get("remove_reported"))
             kept.append(os.path.exists(d))
+            if config.get("remove_reported"):  # a mistake: its files are not staged yet
+                shutil.rmtree(d)
         before.append(sorted(  # this rank's files of checkpoint `it`, committed or staged
             f"{d}/{f}" for d in os.listdir(run) if d.startswith(f"checkpoint_{it:06d}")
             for f in os.listdir(os.path.join(run, d)) if f"rank{rank}" in f or f == "train_state.pt"))

@@ -30,9 +30,9 @@ from test_exact_resume import (
 )
 from unbroken.async_save import BackgroundSave, PendingCommit, PendingCommits
 from unbroken.commit import FileEntry
-from unbroken.errors import TrainingInterruptedError
+from unbroken.errors import CheckpointChangedError, TrainingInterruptedError
 from unbroken.protocol import Staged
-from unbroken.train import CheckpointConfig, RunConfig, ScalingConfig, TrainingFailedError
+from unbroken.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer
 from unbroken.train_state import STATE_FILE
 
@@ -68,6 +68,21 @@ def test_the_report_returns_before_its_files_are_written(storage, how):
     for i, weights in enumerate(seen["weights"], start=1):
         saved = torch.load(os.path.join(result.path, f"checkpoint_{i:06d}", STATE_FILE), weights_only=True)
         assert saved["state_dicts"]["model"]["weight"].tolist() == weights, i
+
+
+def test_a_reported_directory_removed_before_its_files_are_staged_fails_clearly(storage):
+    trainer = TorchTrainer(async_gate_loop, train_loop_config={"reports": 2, "remove_reported": True},
+                           scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name="removed", storage_path=storage,
+                                                failure_config=FailureConfig(max_failures=2)))
+    with pytest.raises(TrainingFailedError) as failed:
+        trainer.fit()
+    error = failed.value.__cause__
+    assert isinstance(error, CheckpointChangedError), failed.value
+    assert "changed before its files were staged" in str(error) and "Hint:" in str(error)
+    run = os.path.join(storage, "removed")
+    assert len(run_json(run)["attempts"]) == 1  # not retried: a restart would remove it again
+    assert run_json(run)["latest_checkpoint"] is None
 
 
 @pytest.mark.parametrize("mode", ["raise", "sigkill"])

@@ -27,6 +27,7 @@ and the next attempt removes the leftover.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections import deque
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.commit import FileEntry, Marker, write_rank_files
+from unbroken.errors import CheckpointChangedError
 from unbroken.protocol import Staged
 from unbroken.storage import Storage
 
@@ -86,11 +88,23 @@ def stage_job(storage: Storage, staging: str, iteration: int, rank: int,
         directory, delete = produce()
         try:
             files = write_rank_files(storage, staging, directory, rank)
+            if not os.path.isdir(directory):  # removed before it was read: nothing was staged from it
+                raise _changed(directory, rank, iteration, "it no longer exists")
+        except FileNotFoundError as e:
+            raise _changed(directory, rank, iteration, str(e)) from e
         finally:
             if delete:
                 shutil.rmtree(directory, ignore_errors=True)
         send(Staged(iteration, files))
     return job
+
+
+def _changed(directory: str, rank: int, iteration: int, what: str) -> CheckpointChangedError:
+    return CheckpointChangedError(
+        f"rank {rank}'s checkpoint directory {directory}, reported for checkpoint {iteration} with an "
+        f"asynchronous save, changed before its files were staged ({what}). Hint: leave the directory "
+        "as it is until the next checkpoint report, or report it with "
+        "delete_local_checkpoint_after_upload=True, which moves it aside at once")
 
 
 # -- driver side -------------------------------------------------------------------------------

@@ -94,6 +94,12 @@ class CheckpointNameError(CheckpointConflictError):
     Never retried: a restart would give the same name again."""
 
 
+class CheckpointChangedError(CheckpointConflictError):
+    """A directory reported with an asynchronous save (`CheckpointUploadMode.ASYNC` without
+    deleting it) was changed or removed before its files were staged. Never retried: a
+    restart would change it again."""
+
+
 class UnsupportedOptionError(UnbrokenError, ValueError):
     """A Ray Train option that unbroken does not support; the message says what to do instead."""
 

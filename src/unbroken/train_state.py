@@ -153,7 +153,8 @@ class TrainState:
                  loader: Any = None, *, async_save: bool = False, jit_checkpoint: bool = False,
                  step_seed: int | None = None, **extra: Any) -> None:
         if not isinstance(async_save, bool):
-            raise TypeError(f"TrainState(async_save=...) takes a bool, got {type(async_save).__name__}")
+            raise TypeError(f"TrainState(async_save=...) takes a bool, got {type(async_save).__name__}. "
+                            "Hint: async_save=True writes each checkpoint in the background")
         object.__setattr__(self, "_async_save", async_save)
         object.__setattr__(self, "_objects", {})
         object.__setattr__(self, "_values", {})
