@@ -332,6 +332,7 @@ class TrainState:
             train.report(metrics)
             return False
         if self._async_save:
+            session.saver.wait()  # one save in flight: the previous copy is freed before this one
             session.report_async(metrics, self._snapshot_writer())
             return True
         with tempfile.TemporaryDirectory(prefix="unbroken-state-") as d:
