@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import time
 
@@ -94,22 +95,66 @@ def printed_rows(out: str) -> list[int]:
     return json.loads(out.split("ROWS", 1)[1].splitlines()[0])
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    """Wait for something another process does (a file appears, a process ends)."""
+def wait_ended(pids: list[int], what: str, timeout: float) -> None:
+    """Wait until every process in `pids` (not this process's children) has exited: on pidfds,
+    which the kernel makes readable when the process ends."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            pass  # gone already
     deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
-        return f.read().split(")")[-1].split()[0] != "Z"
+        pending = list(fds)
+        while pending:
+            ready, _, _ = select.select(pending, [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"timed out waiting for {what}")
+            pending = [fd for fd in pending if fd not in ready]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def marker_fifo(path: str) -> int:
+    """A FIFO at `path` for a loop's `hang_marker`, opened for reading (before the driver starts,
+    so that the rank's open for writing does not block); `read_marker` waits on it."""
+    os.mkfifo(path)
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+
+def read_marker(fd: int, driver, what: str, timeout: float = 120.0) -> str:
+    """What the rank wrote into the marker FIFO, once it closed it (the kernel wakes us: data,
+    then end of file); fails if the driver ends first."""
+    ended = os.pidfd_open(driver.pid)
+    data, deadline = b"", time.monotonic() + timeout
+    try:
+        while True:
+            ready, _, _ = select.select([fd, ended], [], [], max(0.0, deadline - time.monotonic()))
+            if fd in ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return data.decode()
+                data += chunk
+            elif ready:
+                raise AssertionError(f"the driver ended before {what}: {driver.communicate()[1][-2000:]}")
+            else:
+                raise AssertionError(f"timed out waiting for {what}")
+    finally:
+        os.close(ended)
+        os.close(fd)
+
+
+def replace_node(cluster, node_id: str) -> None:
+    """Remove the node `node_id` without warning (its processes die with it) and add one in its
+    place, with the same custom resource and storage view."""
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id)
+    name = "node_b" if "node_b" in resources else "node_a"
+    cluster.remove_node(node, allow_graceful=False)
+    other = {OTHER_ROOT: cluster.other_root} if name == "node_b" else {}
+    _add_node(cluster, name, {**cluster.node_env, **other})
 
 
 # -- the connection to the driver ----------------------------------------------------------
@@ -160,7 +205,7 @@ def test_ranks_are_actors_on_distinct_nodes_ordered_by_node(cluster, storage, tm
     assert len({r["node_id"] for r in ranks}) == 2
     assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in ranks] == [(0, 0, 1), (1, 0, 1)]
     assert iterations(result) == [1, 2, 3, 4]
-    wait_for(lambda: not any(alive(r["pid"]) for r in ranks), "the actors to be killed", 20)
+    wait_ended([r["pid"] for r in ranks], "the actors to be killed", 20)
 
 
 def test_a_cluster_without_room_fails_with_the_missing_resources(cluster, storage, monkeypatch):
@@ -174,8 +219,14 @@ def test_a_cluster_without_room_fails_with_the_missing_resources(cluster, storag
     finally:
         group.shutdown(kill=True)
     assert time.monotonic() - t0 < 10
-    # The placement group is gone: the cluster's CPUs are free again.
-    wait_for(lambda: ray.available_resources().get("CPU", 0) == 2, "the CPUs to be released", 10)
+    # The placement group is gone: the cluster's CPUs are free again, one on each node.
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    both = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
+    try:
+        assert both.wait(10), "the CPUs were not released"
+    finally:
+        remove_placement_group(both)
 
 
 def test_a_node_that_sees_other_storage_fails_before_training(cluster, tmp_path):
@@ -245,20 +296,16 @@ def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_che
 
 def test_a_removed_node_is_a_lost_rank_and_the_run_finishes_on_a_replacement(cluster, storage, tmp_path):
     marker = str(tmp_path / "hung")
+    fifo = marker_fifo(marker)
     driver = start_script(f"""
 from test_ray_engine import trainer
 result = trainer({storage!r}, "lost-node", {str(tmp_path)!r}, max_failures=1, ckpt_every=1,
                  hang_at=[3, 1], hang_marker={marker!r}).fit()
 print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
 """, RAY_ADDRESS=cluster.address)
-    wait_for(lambda: os.path.exists(marker) or driver.poll() is not None, "rank 1 to block", 120)
+    read_marker(fifo, driver, "rank 1 to block")
     node_id = placements(str(tmp_path), 1)[1]["node_id"]
-    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
-    resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id)
-    name = "node_b" if "node_b" in resources else "node_a"
-    cluster.remove_node(node, allow_graceful=False)
-    other = {OTHER_ROOT: cluster.other_root} if name == "node_b" else {}
-    _add_node(cluster, name, {**cluster.node_env, **other})
+    replace_node(cluster, node_id)
     out, err = driver.communicate(timeout=180)
     assert driver.returncode == 0, err
     assert printed_rows(out) == list(range(1, 9))
@@ -294,7 +341,7 @@ trainer({storage!r}, "driver-kill", {str(tmp_path)!r}, echo=True, on_request=Tru
     pids = [r["pid"] for r in placements(str(tmp_path), 2)]
     os.kill(second.pid, signal.SIGKILL)
     second.wait()
-    wait_for(lambda: not any(alive(pid) for pid in pids), "the killed driver's actors to die", 20)
+    wait_ended(pids, "the killed driver's actors to die", 20)
     # 3. Restored again: the run finishes with every iteration once.
     third = start_script(restore, **env)
     out, err = third.communicate(timeout=180)
@@ -340,19 +387,12 @@ def test_a_removed_node_resumes_from_the_survivors_checkpoint_bit_for_bit(cluste
     # saves checkpoint 6 (where a lost node leaves rank 0 blocked instead, the driver falls
     # back after OFFER_WAIT_S: test_jit_checkpoint's hung survivor).
     marker = str(tmp_path / "hung")
+    fifo = marker_fifo(marker)
     driver = start_script(f"""
 from test_ray_engine import jit_run
 jit_run("ray", {storage!r}, "jit-lost-node", die_after_report=[[6, 1, 1, "hang"]], hang_marker={marker!r})
 """, RAY_ADDRESS=cluster.address)
-    wait_for(lambda: os.path.exists(marker) and open(marker).read() or driver.poll() is not None,
-             "rank 1 to block", 120)
-    node_id = open(marker).read()
-    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
-    resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id)
-    name = "node_b" if "node_b" in resources else "node_a"
-    cluster.remove_node(node, allow_graceful=False)
-    other = {OTHER_ROOT: cluster.other_root} if name == "node_b" else {}
-    _add_node(cluster, name, {**cluster.node_env, **other})
+    replace_node(cluster, read_marker(fifo, driver, "rank 1 to block"))  # the rank wrote its node
     _, err = driver.communicate(timeout=180)
     assert driver.returncode == 0, err
     on_ray = Result.from_path(os.path.join(storage, "jit-lost-node"))
