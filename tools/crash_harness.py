@@ -62,7 +62,7 @@ import torch._dynamo  # noqa: F401  (DDP imports it; forked drivers and workers 
 
 from unbroken import commit, train
 from unbroken.errors import TornCheckpointError, TrainingFailedError
-from unbroken.history import read_rows, timeline
+from unbroken.history import RESULT_JSON, read_rows, timeline
 from unbroken.storage import Storage
 from unbroken.train import (
     Checkpoint,
@@ -453,10 +453,12 @@ class Harness:
         rows = [r for r in every if r.get("attempt") == attempt]
         if iteration not in [r["training_iteration"] for r in rows]:
             seen = [(r.get("attempt"), r.get("training_iteration")) for r in every]
+            storage = Storage.from_url(path)
+            stored = f"{storage.size(RESULT_JSON)} bytes" if storage.exists(RESULT_JSON) else "missing"
             self.violations.append(f"{where}: every rank reported iteration {iteration}, then "
                                    f"{fault} struck, but its row was lost (expected in attempt "
-                                   f"{attempt}; rows as (attempt, iteration): {seen}; run.json has "
-                                   f"{_attempt_count(path)} attempts)")
+                                   f"{attempt}; rows as (attempt, iteration): {seen}; "
+                                   f"{RESULT_JSON} {stored}; run.json has {_attempt_count(path)} attempts)")
         committed = newest_committed(path, self.violations)
         # A background write dies with its process; a rank that raises finishes it first.
         durable = not ASYNC_SAVES[0] or fault.split(":")[2] == "raise"
