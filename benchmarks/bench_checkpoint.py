@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from unbroken import session as _session
 from unbroken import train
 from unbroken.train import RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
+from unbroken.worker import session as _session
 
 MiB = 1 << 20
 # width, layers: about 200 MB and 1 GB of model + AdamW state.

@@ -8,7 +8,7 @@ files of `--mb-per-file` MiB of random bytes (default 4 x 16 MiB per rank). Then
 in a rotating order:
 
 (a) unbroken: two processes forked at once (one per rank), each calling
-    `unbroken.commit.write_rank_files(Storage.from_url(run_url), staging, local_dir, rank)`
+    `unbroken.store.commit.write_rank_files(Storage.from_url(run_url), staging, local_dir, rank)`
     as workers do inside train.report, then the driver's `CheckpointManager.commit` of the
     merged file lists, which uploads the marker. Timed from the moment both ranks start to the
     committed marker.
@@ -136,8 +136,8 @@ def make_files(root: str, files: int, mb: int) -> list[list[str]]:
 
 
 def unbroken_rank(run_url: str, staging: str, local_dir: str, rank: int, barrier, conn) -> None:
-    from unbroken.commit import write_rank_files
-    from unbroken.storage import Storage
+    from unbroken.store.commit import write_rank_files
+    from unbroken.store.storage import Storage
 
     storage = Storage.from_url(run_url)
     storage.exists()  # connect (untimed)
@@ -212,7 +212,7 @@ def measure(method: str, repeat: int, local: list[list[str]], manager, run_prefi
     """One timed upload of the whole checkpoint: (seconds, of which commit seconds, (server, client)
     CPU seconds, requests, prefix to check and delete)."""
     if method == "unbroken":
-        from unbroken.commit import staging_name
+        from unbroken.store.commit import staging_name
 
         iteration = repeat + 1
         staging = staging_name(iteration, 1, manager.storage)
@@ -309,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint})
     try:
         count_requests()
-        from unbroken.checkpoint_manager import CheckpointManager
-        from unbroken.config import CheckpointConfig
-        from unbroken.storage import Storage
+        from unbroken.core.config import CheckpointConfig
+        from unbroken.store.checkpoint_manager import CheckpointManager
+        from unbroken.store.storage import Storage
 
         client = s3_client(endpoint)
         client.create_bucket(Bucket=BUCKET)

@@ -10,7 +10,7 @@ import pytest
 import torch._dynamo  # noqa: F401, E402
 
 # Imported at collection, before any test runs torch ops in this process, so that workers
-# can be forked from it (see unbroken.engine.local).
+# can be forked from it (see unbroken.execution.engine.local).
 import unbroken.train.torch  # noqa: F401
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -18,9 +18,9 @@ from typing import Any
 
 import cloudpickle
 
-from unbroken.engine.base import Placement
 from unbroken.errors import WorkerDied
-from unbroken.protocol import Done, Failed, Reply, Report
+from unbroken.execution.engine.base import Placement
+from unbroken.worker.protocol import Done, Failed, Reply, Report
 
 
 def report(checkpoint: bool = False, **metrics: Any) -> tuple:

@@ -319,9 +319,9 @@ def async_gate_loop(config: dict) -> dict:
     0) what it saw: its own files of that checkpoint already in the run directory, the
     checkpoints get_all_reported_checkpoints lists, the most writes ever in flight at once,
     whether each reported directory still existed, and the weights at each report."""
-    from unbroken import async_save
     from unbroken.train import CheckpointUploadMode
     from unbroken.train.torch import TrainState
+    from unbroken.worker import async_save
 
     ctx = train.get_context()
     rank = ctx.get_world_rank()

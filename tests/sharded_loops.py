@@ -28,7 +28,7 @@ def build_fsdp(width: int = 32, sharded: bool = True) -> torch.nn.Module:
 
 def dump_full_state(state, path: str) -> None:
     """Rank 0 writes the model's and optimizer's whole state to `path` (collective)."""
-    from unbroken.sharded import full_state_dicts
+    from unbroken.state.sharded import full_state_dicts
 
     full = full_state_dicts(state.model, state.optimizer)
     if train.get_context().get_world_rank() == 0:

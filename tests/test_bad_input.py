@@ -175,7 +175,7 @@ def test_the_wrong_trainer_class(run):
 
 
 def test_a_second_driver(run):
-    from unbroken.lease import _process_start
+    from unbroken.store.lease import _process_start
 
     lease = os.path.join(run, ".unbroken", "lease.json")
     with open(lease, "w") as f:  # a live driver: this very process, under another lease token
@@ -256,7 +256,7 @@ def test_report_called_by_some_ranks_only(run):
 
 
 def test_use_gpu_where_no_gpu_is_visible(run, tmp_path):
-    from unbroken.engine.local import visible_gpus
+    from unbroken.execution.engine.local import visible_gpus
 
     if visible_gpus()[0] > 0:
         pytest.skip("this machine has a GPU")

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from fake_group import HANG, SIGTERM_DRIVER, SLOW, FakeWorkerGroup, die, raise_, report
-from unbroken import restore as rs
-from unbroken.controller import Controller, ControllerState
 from unbroken.errors import ReportMismatchError, TrainingInterruptedError, WorkerError, WorkerHangError
+from unbroken.execution.controller import Controller, ControllerState
+from unbroken.run import restore as rs
 from unbroken.train import (
     DataParallelTrainer,
     FailureConfig,
@@ -74,7 +74,7 @@ def test_rounds_become_rows_and_every_rank_gets_each_reply(storage):
 
 
 def test_a_round_completed_after_a_failure_is_kept_and_the_retry_resumes_from_it(storage, monkeypatch):
-    monkeypatch.setattr("unbroken.controller.WARM_UP_AFTER_S", 0.0)
+    monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)
     # Rank 1 raises right after report 2; the slower rank 0 sends its report 2 only in a later
     # poll, after the driver has seen the error.
     h = Harness(storage, [

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import driver_env
 from loops import simple_loop
-from unbroken import commit
 from unbroken.errors import TornCheckpointError
-from unbroken.storage import Storage
+from unbroken.store import commit
+from unbroken.store.storage import Storage
 from unbroken.train import DataParallelTrainer, RunConfig, ScalingConfig, TrainingFailedError
 
 ITERATIONS = 6

@@ -5,7 +5,7 @@ from conftest import run_script
 THREADED_DRIVER = """
 import torch
 from unbroken import train
-from unbroken.engine.local import start_method
+from unbroken.execution.engine.local import start_method
 from unbroken.train import RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 import sys
@@ -38,7 +38,7 @@ def test_driver_with_an_openmp_pool_uses_a_forkserver_and_does_not_hang(tmp_path
 
 FORK_DRIVER = """
 import sys
-from unbroken.engine.local import start_method
+from unbroken.execution.engine.local import start_method
 from unbroken.train import DataParallelTrainer, RunConfig
 from unbroken import train
 import torch

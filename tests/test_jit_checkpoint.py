@@ -19,12 +19,13 @@ import torch
 from conftest import run_script
 from loops import exact_loop
 from test_exact_resume import BASE, assert_same_run
-from unbroken import cli, train
-from unbroken.jit_checkpoint import OFFER_WAIT_S, Coordinator, seed_step
-from unbroken.protocol import JitArmed, JitOffer, JitSaved
+from unbroken import train
+from unbroken.cli import commands as cli
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
-from unbroken.train_state import capture_rng, restore_rng
+from unbroken.worker.jit import OFFER_WAIT_S, Coordinator, seed_step
+from unbroken.worker.protocol import JitArmed, JitOffer, JitSaved
+from unbroken.worker.train_state import capture_rng, restore_rng
 
 STEP = 6  # the report the failures follow
 PERIODIC = 4  # the periodic checkpoint before it
@@ -167,8 +168,9 @@ def test_step_streams_are_a_function_of_seed_rank_and_report():
 
 TRACKER = """
 import torch
-from unbroken import cli, train
-from unbroken.jit_checkpoint import Tracker
+from unbroken import train
+from unbroken.cli import commands as cli
+from unbroken.worker.jit import Tracker
 from unbroken.train.torch import TrainState
 
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))

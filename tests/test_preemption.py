@@ -9,8 +9,8 @@ import torch
 
 from conftest import read_until, run_script, start_script
 from loops import final_weights, linear_loop
-from unbroken import commit
-from unbroken.storage import Storage
+from unbroken.store import commit
+from unbroken.store.storage import Storage
 from unbroken.train import FailureConfig, Result, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 

@@ -19,8 +19,8 @@ from conftest import read_until, s3_env, start_script  # noqa: E402
 from loops import final_weights  # noqa: E402
 from ray_loops import placed_loop  # noqa: E402
 from test_exact_resume import BASE, assert_same_run, exact_loop  # noqa: E402
-from unbroken.engine import make_worker_group, resolve_engine  # noqa: E402
 from unbroken.errors import InsufficientResourcesError, StorageNotSharedError  # noqa: E402
+from unbroken.execution.engine.factory import make_worker_group, resolve_engine  # noqa: E402
 from unbroken.train import (  # noqa: E402
     CheckpointConfig,
     FailureConfig,
@@ -163,9 +163,9 @@ def test_the_driver_takes_only_connections_that_prove_the_attempts_secret(monkey
     import threading
     from multiprocessing.connection import AuthenticationError, Client
 
-    from unbroken.engine.ray import _Listener
+    from unbroken.execution.engine.ray import _Listener
 
-    monkeypatch.setattr("unbroken.engine.ray._HANDSHAKE_S", 1)
+    monkeypatch.setattr("unbroken.execution.engine.ray._HANDSHAKE_S", 1)
     listener = _Listener("127.0.0.1", b"s" * 32)
     outcome: dict = {}
 
@@ -209,7 +209,7 @@ def test_ranks_are_actors_on_distinct_nodes_ordered_by_node(cluster, storage, tm
 
 
 def test_a_cluster_without_room_fails_with_the_missing_resources(cluster, storage, monkeypatch):
-    monkeypatch.setattr("unbroken.engine.ray.PLACEMENT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("unbroken.execution.engine.ray.PLACEMENT_TIMEOUT_S", 1.0)
     group = make_worker_group(ScalingConfig(num_workers=3, engine="ray", placement_strategy="STRICT_SPREAD"))
     t0 = time.monotonic()
     try:
@@ -276,7 +276,7 @@ def test_a_run_on_object_storage_shared_by_every_node_survives_a_killed_rank(clu
 # -- failures ------------------------------------------------------------------------------
 def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_checkpoint(
         cluster, storage, tmp_path, monkeypatch):
-    monkeypatch.setattr("unbroken.controller.WARM_UP_AFTER_S", 0.0)  # warm up at the first round
+    monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)  # warm up at the first round
     result = trainer(storage, "failing-ranks", str(tmp_path), max_failures=3, hang_timeout_s=10,
                      kill_worker_at=[5, 1], fail_at=[6, 2], hang_at=[7, 3]).fit()
     assert iterations(result) == list(range(1, 9))

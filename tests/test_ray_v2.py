@@ -8,7 +8,9 @@ import signal
 import pytest
 
 from conftest import read_until, run_json, run_script, start_script
-from unbroken import cli, inspection, train
+from unbroken import train
+from unbroken.cli import commands as cli
+from unbroken.cli import inspection
 from unbroken.errors import (
     CheckpointNameError,
     ControllerError,

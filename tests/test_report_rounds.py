@@ -3,8 +3,8 @@
 import pytest
 
 from unbroken.errors import ReportMismatchError
-from unbroken.protocol import Report
-from unbroken.report_rounds import ReportRounds
+from unbroken.execution.report_rounds import ReportRounds
+from unbroken.worker.protocol import Report
 
 
 def test_a_round_completes_when_every_rank_reported_it():

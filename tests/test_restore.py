@@ -319,8 +319,8 @@ def test_stale_lease_is_taken_over_with_a_warning(storage, caplog):
 
 def test_a_driver_whose_lease_was_taken_over_stops_writing(storage):
     from unbroken.errors import LeaseLostError
-    from unbroken.lease import LEASE_JSON, Lease
-    from unbroken.storage import Storage
+    from unbroken.store.lease import LEASE_JSON, Lease
+    from unbroken.store.storage import Storage
 
     store = Storage.from_url(os.path.join(storage, "taken"))
     store.makedirs(".unbroken")

@@ -15,7 +15,7 @@ import torch
 
 from conftest import S3_CREDENTIALS, read_until, run_script, s3_env, start_script
 from loops import final_weights, linear_loop
-from unbroken.history import timeline
+from unbroken.store.history import timeline
 from unbroken.train import RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
@@ -173,8 +173,8 @@ def test_outage_beyond_the_retry_budget_fails_clearly_and_keeps_the_checkpoint(s
 LEASE = """
 import json, os, sys
 from unbroken.errors import LeaseHeldError, LeaseLostError
-from unbroken.lease import LEASE_JSON, Lease
-from unbroken.storage import Storage
+from unbroken.store.lease import LEASE_JSON, Lease
+from unbroken.store.storage import Storage
 storage = Storage.from_url(sys.argv[1])
 first, second = Lease(storage), Lease(storage)
 first.acquire()
@@ -226,7 +226,7 @@ print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.check
 def test_only_faults_are_retried_not_answers():
     from botocore.exceptions import EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 
-    from unbroken.storage import _transient
+    from unbroken.store.storage import _transient
 
     assert _transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
     assert _transient(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))

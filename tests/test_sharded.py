@@ -22,7 +22,7 @@ from sharded_loops import fsdp_loop
 from test_exact_resume import assert_identical
 from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer, TrainState
-from unbroken.train_state import STATE_FILE, rng_file
+from unbroken.worker.train_state import STATE_FILE, rng_file
 
 SEED = int(os.environ.get("UNBROKEN_TEST_SEED") or random.SystemRandom().randrange(2**32))
 BASE = {"epochs": 2, "samples": 48, "batch_size": 4, "ckpt_every": 4}  # 2 workers: 6 steps an epoch
@@ -266,7 +266,7 @@ def test_sharded_checkpoint_on_s3(s3_endpoint, reference, tmp_path):
 def test_a_file_already_in_place_is_summed_not_copied_onto_itself(tmp_path):
     # TrainState writes shards straight into the staging directory and hands the report links
     # to them: staging such a link must keep the file (a copy onto itself would empty it).
-    from unbroken.storage import Storage
+    from unbroken.store.storage import Storage
 
     storage = Storage.from_url(str(tmp_path / "run"))
     storage.makedirs("staged")

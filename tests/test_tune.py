@@ -213,7 +213,7 @@ def test_trainer_trainable_merges_its_train_loop_config(storage):
         assert result.metrics["trial_name"] == f"trial_0000{i}"
         assert result.metrics["trial_id"].endswith(f"_0000{i}")
         manifest = run_json(result.path)
-        assert manifest["trainer_class"] == "unbroken.trainer:DataParallelTrainer"
+        assert manifest["trainer_class"] == "unbroken.train.trainer:DataParallelTrainer"
         assert manifest["attempts"][0]["num_workers"] == 2
     # Restored without passing the trainable: the saved Trainer is rebuilt.
     restored = Tuner.restore(os.path.join(storage, "tr"))
@@ -620,7 +620,7 @@ def test_optuna_errored_trial_rerun_is_told_as_a_new_study_trial(storage, tmp_pa
 UNCLEAN = """
 import sys, torch
 from unbroken import tune
-from unbroken.engine.local import start_method
+from unbroken.execution.engine.local import start_method
 from unbroken.train import RunConfig
 torch.manual_seed(0)
 (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # starts torch's thread pool: no more forking

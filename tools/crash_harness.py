@@ -3,7 +3,7 @@
 Each trial starts a real 2-worker TorchTrainer job (gloo, DDP, a checkpoint every other
 iteration from both ranks, retention keeping two). Each launch of its driver is one of:
 SIGKILL the driver at a uniformly random moment, SIGKILL one worker at a random moment,
-a fault-injection point (`unbroken.faults`) that SIGKILLs a process at one step of the
+a fault-injection point (`unbroken.core.faults`) that SIGKILLs a process at one step of the
 commit protocol (file writes, fsync, marker, rename, retention, atomic replaces), every
 rank (or one rank) raising, exiting or being SIGKILLed right after it sent a report, or (where a tmpfs
 can be mounted) a disk that fills up at a random moment; with --ray, the workers are Ray
@@ -60,10 +60,11 @@ from typing import Any
 import torch
 import torch._dynamo  # noqa: F401  (DDP imports it; forked drivers and workers inherit it)
 
-from unbroken import commit, train
+from unbroken import train
 from unbroken.errors import TornCheckpointError, TrainingFailedError
-from unbroken.history import RESULT_JSON, read_rows, timeline
-from unbroken.storage import Storage
+from unbroken.store import commit
+from unbroken.store.history import RESULT_JSON, read_rows, timeline
+from unbroken.store.storage import Storage
 from unbroken.train import (
     Checkpoint,
     CheckpointConfig,

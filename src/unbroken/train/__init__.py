@@ -11,25 +11,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from unbroken import ray_names as _ray_names
-from unbroken import session as _session
-from unbroken.callbacks import Callback, RunInfo, UserCallback
-from unbroken.checkpoint import Checkpoint
-from unbroken.commit import check_custom_name
-from unbroken.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from unbroken.core import ray_names as _ray_names
+from unbroken.core.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from unbroken.errors import ControllerError, TrainingFailedError, WorkerGroupError
-from unbroken.mlflow_logger import MLflowLoggerCallback
-from unbroken.report_config import (
+from unbroken.observe.mlflow_logger import MLflowLoggerCallback
+from unbroken.observe.tensorboard_logger import TensorBoardLoggerCallback
+from unbroken.run.callbacks import Callback, RunInfo, UserCallback
+from unbroken.run.result import Result
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.store.commit import check_custom_name
+from unbroken.train import collective
+from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
+from unbroken.worker import session as _session
+from unbroken.worker.report_config import (
     CheckpointConsistencyMode,
     CheckpointUploadMode,
     ReportedCheckpoint,
     delete_after_upload,
 )
-from unbroken.result import Result
-from unbroken.session import StorageContext, TrainContext
-from unbroken.tensorboard_logger import TensorBoardLoggerCallback
-from unbroken.train import collective
-from unbroken.trainer import BaseTrainer, DataParallelTrainer
+from unbroken.worker.session import StorageContext, TrainContext
 
 __all__ = [
     "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "CheckpointConsistencyMode",

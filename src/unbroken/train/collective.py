@@ -11,7 +11,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, TypeVar
 
-from unbroken import session as _session
+from unbroken.worker import session as _session
 
 __all__ = ["barrier", "broadcast_from_rank_zero"]
 

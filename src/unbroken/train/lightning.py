@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from unbroken import train
-from unbroken.checkpoint import Checkpoint
-from unbroken.torch_backend import get_device
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.worker.torch_backend import get_device
 
 
 def _import_lightning() -> Any:

@@ -8,12 +8,13 @@ from typing import Any
 
 import torch  # (imported before the engine forks workers, so they inherit it)
 
-from unbroken import ray_names as _ray_names
-from unbroken.checkpoint import Checkpoint
-from unbroken.config import RunConfig, ScalingConfig
-from unbroken.engine import local as _local
-from unbroken.reproducibility import enable_reproducibility
-from unbroken.torch_backend import (
+from unbroken.core import ray_names as _ray_names
+from unbroken.core.config import RunConfig, ScalingConfig
+from unbroken.execution.engine import local as _local
+from unbroken.state.reproducibility import enable_reproducibility
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.train.trainer import DataParallelTrainer
+from unbroken.worker.torch_backend import (
     DeviceDataLoader,
     ResumableDataLoader,
     TorchConfig,
@@ -21,8 +22,7 @@ from unbroken.torch_backend import (
     prepare_data_loader,
     prepare_model,
 )
-from unbroken.train_state import TrainState
-from unbroken.trainer import DataParallelTrainer
+from unbroken.worker.train_state import TrainState
 
 _local.mark_clean()
 

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from unbroken.manifest import META_DIR
-from unbroken.storage import Storage
+from unbroken.store.manifest import META_DIR
+from unbroken.store.storage import Storage
 
 ASHA_DIR = f"{META_DIR}/asha"
 STOPPED_DIR = f"{ASHA_DIR}/stopped"

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
-from unbroken import manifest as mf
 from unbroken.errors import TrainingFailedError, UnbrokenError, UnknownMetricError
-from unbroken.result import Result
-from unbroken.storage import Storage
+from unbroken.run.result import Result
+from unbroken.store import manifest as mf
+from unbroken.store.storage import Storage
+from unbroken.store.sweep_manifest import ERROR, TERMINATED, SweepManifest, TrialRecord
 from unbroken.tune import search_space as ss
-from unbroken.tune.sweep import ERROR, TERMINATED, SweepManifest, TrialRecord
 
 
 @dataclass(repr=False)

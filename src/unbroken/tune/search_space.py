@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken.errors import SearchSpaceError
-from unbroken.restore import describe
+from unbroken.run.restore import describe
 
 SEP = "/"
 # Search-space objects of other libraries, refused with a hint rather than passed on as constants.

@@ -9,7 +9,7 @@ When a trial process ends, the driver reads the trial's outcome (its message, it
 status, the scheduler's decision), tells the searcher, and saves the manifest. A driver
 killed in between leaves the manifest behind the trial's run; the next fit() reconciles
 the two (`reconciled`) before anything else, and crash tests stop a driver right there
-with the fault point `before_trial_record` (unbroken.faults).
+with the fault point `before_trial_record` (unbroken.core.faults).
 
 SIGTERM or SIGINT to the sweep driver is forwarded once to every running trial (trial
 processes have process groups of their own, so a Ctrl-C reaches them only this way); each
@@ -32,22 +32,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken import faults, history
-from unbroken import manifest as mf
-from unbroken.engine import engine_env
-from unbroken.engine.local import start_method
-from unbroken.engine.process import Carried
+from unbroken.core import faults
+from unbroken.core.processes import Carried
 from unbroken.errors import TrainingInterruptedError, UnbrokenError
-from unbroken.lease import Lease
-from unbroken.preemption import Interrupts
-from unbroken.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
-from unbroken.storage import Storage
+from unbroken.execution.engine.factory import engine_env
+from unbroken.execution.engine.local import start_method
+from unbroken.execution.preemption import Interrupts
+from unbroken.store import history
+from unbroken.store import manifest as mf
+from unbroken.store import sweep_manifest as sw
+from unbroken.store.lease import Lease
+from unbroken.store.storage import Storage
+from unbroken.store.sweep_manifest import TrialRecord
 from unbroken.tune import asha
 from unbroken.tune import search_space as ss
-from unbroken.tune import sweep as sw
 from unbroken.tune.search.searcher import SearchContext, Searcher
-from unbroken.tune.sweep import TrialRecord
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_main, trial_run_config
+from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
 
 log = logging.getLogger("unbroken")
 

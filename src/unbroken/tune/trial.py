@@ -24,16 +24,16 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken import manifest as mf
-from unbroken import restore as rs
-from unbroken.config import FailureConfig, RunConfig, ScalingConfig
-from unbroken.engine.process import Carried, die_with_parent
+from unbroken.core.config import FailureConfig, RunConfig, ScalingConfig
+from unbroken.core.processes import Carried, die_with_parent
 from unbroken.errors import TrainingInterruptedError
-from unbroken.lease import live_holder
-from unbroken.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
-from unbroken.storage import Storage
+from unbroken.run import restore as rs
+from unbroken.store import manifest as mf
+from unbroken.store.lease import live_holder
+from unbroken.store.storage import Storage
 from unbroken.train import report
-from unbroken.trainer import BaseTrainer, DataParallelTrainer
+from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
+from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
 
 log = logging.getLogger("unbroken")
 

@@ -25,11 +25,8 @@ import random
 import time
 from typing import Any
 
-from unbroken import __version__, opening
-from unbroken import manifest as mf
-from unbroken import restore as rs
-from unbroken.config import RunConfig
-from unbroken.engine import check_can_run
+from unbroken import __version__
+from unbroken.core.config import RunConfig
 from unbroken.errors import (
     PickleRefusedError,
     RestoreArgumentError,
@@ -38,11 +35,15 @@ from unbroken.errors import (
     SweepMismatchError,
     TrainerClassMismatchError,
 )
-from unbroken.pickled import SavedPickles, pickled_files, refuse_pickles, write_pickles
-from unbroken.storage import Storage, split_run_url
-from unbroken.trainer import BaseTrainer
+from unbroken.execution.engine.factory import check_can_run
+from unbroken.run import restore as rs
+from unbroken.store import manifest as mf
+from unbroken.store import opening
+from unbroken.store import sweep_manifest as sw
+from unbroken.store.pickled import SavedPickles, pickled_files, refuse_pickles, write_pickles
+from unbroken.store.storage import Storage, split_run_url
+from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
-from unbroken.tune import sweep as sw
 from unbroken.tune.asha import ASHAScheduler
 from unbroken.tune.result_grid import ResultGrid
 from unbroken.tune.schedulers import FIFOScheduler
@@ -54,7 +55,7 @@ from unbroken.tune.tune_config import TuneConfig
 
 log = logging.getLogger("unbroken")
 
-# What is particular to sweeps in opening one (see unbroken.opening).
+# What is particular to sweeps in opening one (see unbroken.store.opening).
 SWEEP = opening.Kind(noun="sweep", load=sw.load, first_files=frozenset(),
                      first_meta=frozenset({"lease.json", "pickled", "tuner.pkl", "trainer.pkl"}))
 

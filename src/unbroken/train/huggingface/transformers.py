@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from unbroken import train
-from unbroken.checkpoint import Checkpoint
+from unbroken.store.checkpoint import Checkpoint
 
 try:
     import transformers

@@ -17,12 +17,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.engine.local import mark_clean, start_method
 from unbroken.errors import SearchSpaceError, StorageError
-from unbroken.storage import Storage
+from unbroken.execution.engine.local import mark_clean, start_method
+from unbroken.store.storage import Storage
+from unbroken.store.sweep_manifest import TrialRecord, trial_name
 from unbroken.tune import search_space as ss
 from unbroken.tune.search.searcher import SearchContext, Searcher, derive_seed
-from unbroken.tune.sweep import TrialRecord, trial_name
 
 DB = "optuna.db"
 TRIAL_ATTR = "unbroken_trial"
@@ -34,7 +34,7 @@ def _import_optuna() -> Any:
         return sys.modules["optuna"]
     # Importing optuna imports numpy, whose BLAS starts idle threads that survive a fork (BLAS
     # libraries reset themselves in a forked child). If this process was fork-safe before the
-    # import, it still is: say so, so trials keep being forked (see unbroken.engine.local).
+    # import, it still is: say so, so trials keep being forked (see unbroken.execution.engine.local).
     was_clean = start_method() == "fork"
     try:
         import optuna

@@ -12,8 +12,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.storage import Storage
-from unbroken.tune.sweep import TrialRecord
+from unbroken.store.storage import Storage
+from unbroken.store.sweep_manifest import TrialRecord
 
 
 @dataclass

@@ -1,0 +1,3 @@
+from unbroken.cli.commands import main
+
+__all__ = ["main"]

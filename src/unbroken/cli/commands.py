@@ -1,0 +1,411 @@
+"""The `unbroken` command line: list, show, verify, resume and plot runs.
+
+    unbroken ls [STORAGE] [--metric NAME] [--json]
+    unbroken show PATH [--json]
+    unbroken verify PATH [--json]
+    unbroken resume PATH [--max-failures N]
+    unbroken plot PATH [-o FILE] [--metric NAME ...]
+
+`ls`, `show`, `verify` and `plot` only read the run directory. Exit codes: 0 all is well,
+1 a problem was found (a torn or corrupted checkpoint, an unreadable run, a resume that
+failed or was refused), 2 bad usage (wrong arguments, a path that is not a run, an unknown
+metric), 130 interrupted. Errors print one line and a hint; `--traceback` shows the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from unbroken import __version__
+from unbroken.cli import inspection
+from unbroken.errors import (
+    LeaseHeldError,
+    RunNotFoundError,
+    TrainingFailedError,
+    TrainingInterruptedError,
+    UnbrokenError,
+    UnknownMetricError,
+)
+from unbroken.observe.progress import format_value, is_terminal
+from unbroken.run.callbacks import numeric_metrics
+from unbroken.store import manifest as mf
+from unbroken.store.storage import format_bytes
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
+_USAGE_ERRORS = (RunNotFoundError, UnknownMetricError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("unbroken: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `unbroken ls | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Exception as error:
+        if args.traceback:
+            raise
+        _print_error(error)
+        return EXIT_USAGE if isinstance(error, _USAGE_ERRORS) else EXIT_PROBLEM
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="unbroken", description="See, verify, resume and plot unbroken training runs.",
+        epilog="Exit codes: 0 ok, 1 problem found, 2 bad usage.")
+    parser.add_argument("--version", action="version", version=f"unbroken {__version__}")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ls = commands.add_parser("ls", help="list the runs in a storage path",
+                             description="List the runs in STORAGE with their status, attempts, "
+                                         "iteration, last metric and latest checkpoint.")
+    ls.add_argument("storage", nargs="?", metavar="STORAGE",
+                    help="storage path or URL (default: $UNBROKEN_STORAGE or ~/unbroken_results)")
+    ls.add_argument("--metric", help="the metric to show (default: the first one each run reports)")
+    ls.add_argument("--json", action="store_true", help="print JSON for scripts")
+    ls.set_defaults(handler=cmd_ls)
+
+    show = commands.add_parser("show", help="show one run: attempts, checkpoints, config, last metrics")
+    show.add_argument("path", metavar="PATH", help="the run directory, <storage_path>/<name>")
+    show.add_argument("--json", action="store_true", help="print JSON for scripts")
+    show.set_defaults(handler=cmd_show)
+
+    verify = commands.add_parser("verify", help="check every checkpoint's files against its marker",
+                                 description="Hash every file of every checkpoint and compare it with "
+                                             "the checkpoint's commit marker. Exit 1 if any checkpoint "
+                                             "is torn or corrupted.")
+    verify.add_argument("path", metavar="PATH", help="the run directory")
+    verify.add_argument("--json", action="store_true", help="print JSON for scripts")
+    verify.set_defaults(handler=cmd_verify)
+
+    resume = commands.add_parser("resume", help="continue a run from its latest committed checkpoint",
+                                 description="Restore the run's trainer and fit() it to the end. The "
+                                             "training code must be importable (run this where the "
+                                             "original script ran, or set PYTHONPATH) or saved with "
+                                             "the run (functions defined in the script itself are).")
+    resume.add_argument("path", metavar="PATH", help="the run directory")
+    resume.add_argument("--max-failures", type=_max_failures, metavar="N",
+                        help="worker-group restarts allowed in this resume (-1: unlimited); "
+                             "replaces the run's FailureConfig.max_failures")
+    resume.set_defaults(handler=cmd_resume)
+
+    plot = commands.add_parser("plot", help="draw metric curves to a PNG, attempt boundaries marked",
+                               description="Draw metrics against training_iteration. Rows of abandoned "
+                                           "attempts are drawn faded; dotted lines mark where later "
+                                           "attempts resumed.")
+    plot.add_argument("path", metavar="PATH", help="the run directory")
+    plot.add_argument("-o", "--output", metavar="FILE", help="the PNG to write (default: ./<name>.png)")
+    plot.add_argument("--metric", action="append", metavar="NAME",
+                      help="a metric to draw (repeat for several; default: every measured metric)")
+    plot.set_defaults(handler=cmd_plot)
+    return parser
+
+
+def _max_failures(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -2
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= -1, got {text!r}")
+    return value
+
+
+# -- commands -----------------------------------------------------------------------------
+def cmd_ls(args: argparse.Namespace) -> int:
+    from unbroken.core.config import RunConfig
+
+    root = args.storage or RunConfig().resolved_storage_path()
+    runs = inspection.list_runs(root)
+    if args.json:
+        _print_json([r.to_json() for r in runs])
+    elif not runs:
+        print(f"no runs in {root}", file=sys.stderr)
+    else:
+        rows = [[r.name, r.status, len(r.attempts) if r.attempts else "-", _or_dash(r.iteration),
+                 _sweep_counts(r.trials) if r.kind == "sweep" else _metric(r.last_metrics, args.metric),
+                 r.latest_checkpoint or "-", _when(r.updated_at)]
+                for r in runs]
+        print(_table(["NAME", "STATUS", "ATTEMPTS", "ITER", "LAST METRIC", "LATEST CHECKPOINT", "UPDATED"],
+                     rows))
+        for r in runs:
+            if r.problem:
+                print(f"{r.name}: {r.problem}", file=sys.stderr)
+    return EXIT_PROBLEM if any(r.problem for r in runs) else EXIT_OK
+
+
+def _sweep_counts(counts: dict[str, int] | None) -> str:
+    """'sweep: 6 TERMINATED, 1 ERROR, 1 PENDING' for a sweep's row in `ls`."""
+    return "sweep: " + ", ".join(f"{n} {status}" for status, n in (counts or {}).items() if n)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    s = inspection.summarize(args.path)
+    if args.json:
+        _print_json(s.to_json())
+        return EXIT_OK
+    status = s.status
+    if s.status != s.recorded_status:
+        status += f" (run.json says {s.recorded_status}; {inspection.ABORTED_NOTE})"
+    head = [["run", s.name], ["path", s.path], ["status", status], ["trainer", s.trainer_class],
+            ["run id", s.run_id], ["created", _when(s.created_at)], ["updated", _when(s.updated_at)]]
+    if s.driver:
+        age = time.time() - float(s.driver.get("heartbeat", 0))
+        head.append(["driver", f"pid {s.driver.get('pid')} on {s.driver.get('host')} "
+                               f"(heartbeat {age:.0f} s ago)"])
+    print(_table(None, head))
+
+    print("\nattempts")
+    rows = [[a["number"], a["status"], _when(a["started_at"]), _when(a["ended_at"]), a["num_workers"],
+             a["resumed_from"] or "-", a["error"] or "-"] for a in s.attempts]
+    print(_table(["#", "STATUS", "STARTED", "ENDED", "WORKERS", "RESUMED FROM", "ERROR"], rows, indent=2)
+          if rows else "  none")
+    for a in s.attempts:
+        if a.get("config_change"):
+            print(f"  attempt {a['number']} continued the run with a changed configuration:")
+            print("\n".join(f"  {line}" for line in mf.config_change_lines(a["config_change"])))
+        jit = a.get("jit_checkpoint")
+        if jit:
+            print(f"  attempt {a['number']}: " + (
+                f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
+                if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
+
+    print("\ncheckpoints (file sizes checked; `unbroken verify` also checks hashes)")
+    rows = [[c.name, _state(c), _or_dash(c.iteration), _or_dash(c.attempt), _or_dash(c.files),
+             _size(c.bytes), _when(c.committed_at)] for c in s.checkpoints or []]
+    print(_table(["NAME", "STATE", "ITER", "ATTEMPT", "FILES", "SIZE", "COMMITTED"], rows, indent=2)
+          if rows else "  none")
+
+    print("\nconfig")
+    args_rows = [["train_loop_config", json.dumps(s.config, sort_keys=True)]] if s.config is not None else []
+    args_rows += [[name, _describe(value)] for name, value in sorted(s.params.items())
+                  if name != "train_loop_config" and value is not None]
+    args_rows += [[name, "(pickled)"] for name in s.pickled_params]
+    print(_table(None, args_rows, indent=2) if args_rows else "  none")
+
+    if s.last_metrics:
+        m = s.last_metrics
+        print(f"\nlast metrics (iteration {m.get('training_iteration')}, attempt {m.get('attempt')})")
+        shown = {k: v for k, v in m.items() if k not in ("training_iteration", "attempt") and v is not None}
+        if "timestamp" in shown:
+            shown["timestamp"] = _when(shown["timestamp"])
+        print(_table(None, [[k, format_value(v)] for k, v in shown.items()], indent=2))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="hashing", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+
+    report = inspection.verify_run(args.path, progress=progress if is_terminal(sys.stderr) else None)
+    if bar is not None:
+        bar.close()
+    if args.json:
+        _print_json(report.to_json())
+        return EXIT_OK if report.ok else EXIT_PROBLEM
+    rows = []
+    for c in report.checkpoints:
+        if c.state == inspection.COMMITTED:
+            detail = f"{c.files} file{'s' if c.files != 1 else ''}, {_size(c.bytes)}"
+        elif c.state == inspection.UNCOMMITTED:
+            detail = "never committed; the next resume deletes it"
+        elif c.state == inspection.QUARANTINED:
+            detail = "set aside by an earlier resume; kept, never used"
+        else:
+            detail = "; ".join(c.problems)
+        rows.append([c.name, "ok" if c.state == inspection.COMMITTED else c.state, detail])
+    if rows:
+        print(_table(None, rows))
+    checked = [c for c in report.checkpoints if c.is_checkpoint]
+    counts = ", ".join(f"{sum(c.state == st for c in checked)} {st}" for st in (inspection.TORN,
+                                                                                inspection.CORRUPTED)
+                       if any(c.state == st for c in checked))
+    print(f"{len(checked) - len(report.bad)} of {len(checked)} checkpoints verified"
+          + (f"; {counts}" if counts else ""))
+    if not report.ok:
+        where = (f"starts from {report.resume_point}, the newest checkpoint that verifies"
+                 if report.resume_point else "finds no checkpoint that verifies and starts over")
+        print(f"hint: a resume {where}; a torn or corrupted checkpoint it meets is set aside as "
+              "<name>.corrupt-N", file=sys.stderr)
+    return EXIT_OK if report.ok else EXIT_PROBLEM
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from unbroken.run.restore import load_saved_arg
+    from unbroken.store.lease import live_holder
+    from unbroken.store.storage import Storage
+
+    storage = Storage.from_url(args.path)
+    manifest = mf.load(storage)
+    url, name = storage.url(), inspection.run_name(storage)
+    if manifest.status == mf.FINISHED:
+        last = inspection.last_row(storage) or {}
+        print(f"run {name} already finished at iteration "
+              f"{_or_dash(last.get('training_iteration'))}; nothing to resume")
+        return EXIT_OK
+    holder = live_holder(storage)
+    if holder is not None:
+        raise LeaseHeldError(f"run {url!r} is being driven by another process (pid {holder.get('pid')} on "
+                             f"{holder.get('host')}). Hint: wait for it to finish or stop it; a run whose "
+                             "driver died is taken over automatically")
+    overrides: dict[str, Any] = {}
+    if args.max_failures is not None:
+        from unbroken.core.config import FailureConfig, RunConfig
+
+        saved = load_saved_arg(storage, manifest, "run_config") or RunConfig()
+        failure = dataclasses.replace(saved.failure_config or FailureConfig(), max_failures=args.max_failures)
+        overrides["run_config"] = dataclasses.replace(saved, failure_config=failure)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python script.py` would: modules next to the script import
+    from unbroken.train.trainer import BaseTrainer
+
+    try:
+        trainer = BaseTrainer.restore(url, **overrides)
+    except ImportError as e:
+        raise ImportError(f"the run's code cannot be imported ({e}). Hint: run `unbroken resume` from the "
+                          "directory your training script ran in, or add its directory to PYTHONPATH") from e
+    status = inspection.summarize(url, brief=True)
+    start = f"from {status.latest_checkpoint}" if status.latest_checkpoint else "from the beginning"
+    print(f"resuming run {name} ({status.status}, {len(manifest.attempts)} attempt"
+          f"{'s' if len(manifest.attempts) != 1 else ''} so far) {start}", flush=True)
+    try:
+        result = trainer.fit()
+    except TrainingInterruptedError as e:
+        print(f"unbroken: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"hint: continue with: unbroken resume {url}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except TrainingFailedError as e:
+        print(f"unbroken: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"hint: the traceback is in {storage.url('error.txt')}; the run and its checkpoints are kept. "
+              f"After fixing the cause: unbroken resume {url}", file=sys.stderr)
+        return EXIT_PROBLEM
+    attempts = len(mf.load(storage).attempts)
+    print(f"run {name} {result.status} at iteration "
+          f"{_or_dash((result.metrics or {}).get('training_iteration'))} after {attempts} attempts; "
+          f"last {_metric(result.metrics, None)}")
+    return EXIT_OK
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from unbroken.cli.plotting import plot_run
+
+    path = os.path.abspath(os.path.expanduser(args.path)) if "://" not in args.path else args.path
+    out = args.output or f"{path.rstrip('/').rsplit('/', 1)[-1]}.png"
+    drawn = plot_run(path, out, args.metric)
+    print(f"wrote {out}: {', '.join(drawn)} against training_iteration")
+    return EXIT_OK
+
+
+# -- formatting ---------------------------------------------------------------------------
+def _print_error(error: BaseException) -> None:
+    message = str(error).strip() or type(error).__name__
+    if not isinstance(error, (UnbrokenError, ImportError, ValueError, TypeError, OSError)):
+        message = f"{type(error).__name__}: {message}"
+    text, _, hint = message.partition("Hint:")
+    print(f"unbroken: error: {text.strip()}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint.strip()}", file=sys.stderr)
+    elif not isinstance(error, UnbrokenError):
+        print("hint: run `unbroken --traceback ...` to see where it happened", file=sys.stderr)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(_json_safe(obj), indent=2, sort_keys=True, default=str))
+
+
+def _json_safe(obj: Any) -> Any:
+    """Strict JSON: non-finite floats become strings ("nan", "inf")."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _table(headers: list[str] | None, rows: list[list[Any]], indent: int = 0) -> str:
+    """Left-aligned columns, two spaces apart; the last column is never padded."""
+    cells = [[str(c) for c in row] for row in ([headers] if headers else []) + rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]) - 1)]
+    return "\n".join(" " * indent + "".join(c.ljust(w + 2) for c, w in zip(row, widths, strict=False))
+                     + row[-1] for row in cells)
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _size(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _or_dash(value: Any) -> Any:
+    return "-" if value is None else value
+
+
+def _metric(row: dict[str, Any] | None, name: str | None) -> str:
+    if not row:
+        return "-"
+    if name:
+        return f"{name}={format_value(row[name])}" if name in row else "-"
+    for key in numeric_metrics(row):
+        if key not in ("time_total_s", "time_this_iter_s"):
+            return f"{key}={format_value(row[key])}"
+    return "-"
+
+
+def _state(c: inspection.CheckpointState) -> str:
+    if c.state in (inspection.TORN, inspection.CORRUPTED):
+        return f"{c.state}: {'; '.join(c.problems)}"
+    return c.state
+
+
+def _describe(value: Any) -> str:
+    """A saved argument as Python-like text: dataclasses as Cls(field=...), functions by name."""
+    if isinstance(value, dict):
+        if "__ref__" in value:
+            return value["__ref__"]
+        if "__tuple__" in value:
+            return "(" + ", ".join(_describe(v) for v in value["__tuple__"]) + ")"
+        if "__dataclass__" in value:
+            defaults = _defaults(value["__dataclass__"])
+            fields = ", ".join(f"{k}={_describe(v)}" for k, v in value["fields"].items()
+                               if v is not None and (k not in defaults or defaults[k] != v))
+            return f"{value['__dataclass__'].rsplit(':', 1)[-1]}({fields})"
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    return repr(value)
+
+
+def _defaults(name: str) -> dict[str, Any]:
+    """The encoded default fields of one of unbroken's own config dataclasses (others: none),
+    so that a saved config shows only what was set."""
+    if not name.startswith("unbroken."):
+        return {}  # importing a user's module could run anything
+    from unbroken.run.restore import encode, import_by_name
+
+    try:
+        return encode(import_by_name(name)())["fields"]
+    except Exception:
+        return {}

@@ -1,0 +1,91 @@
+"""Metric curves of one run as a PNG: the timeline (each iteration once) drawn solid, the
+rows of abandoned attempts (recorded after the checkpoint a later attempt resumed from)
+drawn faded, and a dotted line where each later attempt resumed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from unbroken.cli.inspection import run_name
+from unbroken.errors import UnknownMetricError
+from unbroken.run.callbacks import numeric_metrics
+from unbroken.store import history
+from unbroken.store import manifest as mf
+from unbroken.store.lease import live_holder
+from unbroken.store.storage import Storage
+
+TIMING = ("time_total_s", "time_this_iter_s")
+
+
+def metric_names(rows: list[dict[str, Any]]) -> list[str]:
+    """Numeric metrics in first-seen order, measured ones before the automatic timings."""
+    names = list(dict.fromkeys(k for row in rows for k in numeric_metrics(row)))
+    return [n for n in names if n not in TIMING] + [n for n in names if n in TIMING]
+
+
+def plot_run(path: str, out: str | os.PathLike, metrics: list[str] | None = None,
+             storage_filesystem: Any = None) -> list[str]:
+    """Draw `metrics` (default: every measured metric) of the run at `path` against
+    training_iteration into the PNG `out`; returns the metrics drawn."""
+    storage = Storage.from_url(path, storage_filesystem)
+    manifest = mf.load(storage)
+    rows = [r for r in history.read_rows(storage) if "training_iteration" in r]
+    available = metric_names(rows)
+    if not available:
+        raise ValueError(f"run {storage.url()!r} has no numeric metrics to plot yet")
+    unknown = [m for m in metrics or [] if m not in available]
+    if unknown:
+        raise UnknownMetricError(f"run {run_name(storage)!r} has no metric {', '.join(map(repr, unknown))}. "
+                         f"Hint: choose from {', '.join(available)}")
+    chosen = list(metrics or [m for m in available if m not in TIMING] or available)
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plotting needs matplotlib. Hint: pip install 'unbroken[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
+
+    kept = history.timeline(rows)
+    on_timeline = {id(r) for r in kept}
+    abandoned: dict[int, list[dict]] = {}
+    for row in rows:
+        if id(row) not in on_timeline:
+            abandoned.setdefault(row.get("attempt", 0), []).append(row)
+    restarts = manifest.attempts[1:]
+
+    fig, axes = plt.subplots(len(chosen), 1, sharex=True, squeeze=False,
+                             figsize=(8, 1.2 + 2.2 * len(chosen)))
+    for i, (ax, metric) in enumerate(zip(axes[:, 0], chosen, strict=True)):
+        xs, ys = _series(kept, metric)
+        ax.plot(xs, ys, color="C0", lw=1.8, marker="." if len(xs) < 60 else None, label="timeline")
+        for attempt, group in sorted(abandoned.items()):
+            xs, ys = _series(group, metric)
+            if xs:
+                ax.plot(xs, ys, color="0.45", alpha=0.5, lw=1.2, ls="--", marker="x",
+                        label=f"abandoned rows (attempt {attempt})")
+        for a in restarts:
+            ax.axvline(a.resumed_iteration, color="0.35", ls=":", lw=1.2)
+            if i == 0:
+                where = blended_transform_factory(ax.transData, ax.transAxes)
+                ax.text(a.resumed_iteration, 1.02, f"attempt {a.number}", transform=where,
+                        ha="center", va="bottom", fontsize=8, color="0.25")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.25)
+    axes[0, 0].legend(loc="best", fontsize=8)
+    axes[-1, 0].set_xlabel("training_iteration")
+    alive = manifest.status != mf.RUNNING or live_holder(storage) is not None
+    status = manifest.status if alive else mf.ABORTED
+    fig.suptitle(f"{run_name(storage)} ({status}, {manifest.attempt_count} attempt"
+                 f"{'s' if manifest.attempt_count != 1 else ''})")
+    fig.tight_layout()
+    fig.savefig(os.fspath(out), dpi=100)
+    plt.close(fig)
+    return chosen
+
+
+def _series(rows: list[dict], metric: str) -> tuple[list[float], list[float]]:
+    pairs = [(r["training_iteration"], r[metric]) for r in rows if metric in r
+             and isinstance(r[metric], (int, float)) and not isinstance(r[metric], bool)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]

@@ -1,0 +1,453 @@
+"""The controller: drives one run through its attempts.
+
+It starts a worker group, turns each round of reports into one metric row (and, when
+ranks attached files, one committed checkpoint), and on a worker failure asks the
+failure policy whether to restart the group from the latest committed checkpoint.
+The worker group is the engine's business; storage is the Run's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+
+from unbroken.core import faults
+from unbroken.core.config import RunConfig, ScalingConfig
+from unbroken.errors import (
+    ControllerError,
+    LeaseLostError,
+    StorageError,
+    TrainingFailedError,
+    TrainingInterruptedError,
+    WorkerDied,
+    WorkerError,
+    WorkerGroupError,
+)
+from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
+from unbroken.execution.engine.factory import make_worker_group
+from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
+from unbroken.execution.preemption import Interrupts
+from unbroken.execution.report_rounds import ReportRounds
+from unbroken.run.callbacks import failed_rank
+from unbroken.run.handle import Run
+from unbroken.store import manifest as mf
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.store.commit import Marker, checkpoint_name, round_name
+from unbroken.store.storage import split_run_url
+from unbroken.worker.async_save import PendingCommit, PendingCommits
+from unbroken.worker.jit import Coordinator, settle
+from unbroken.worker.protocol import JIT_MESSAGES, Committed, Done, Failed, Rendezvous, Reply, Report, Staged
+from unbroken.worker.runner import PROBE, WorkerPayload
+from unbroken.worker.session import WorkerInfo
+
+log = logging.getLogger("unbroken")
+
+POLL_S = 1.0
+# How long a rank's error waits for a peer's death to show, which would be the root cause.
+ROOT_CAUSE_WAIT_S = 0.2
+# How long a failed group's incomplete round may take to complete (the other ranks are
+# finishing the step the failed rank already reported; see `rounds`).
+ROUND_GRACE_S = 10.0
+# How long an attempt runs before its group warms up for a restart (`WorkerGroup.warm_up`):
+# the start of an attempt keeps the machines to itself, and a failure before then restarts
+# cold, as it would without warm restarts.
+WARM_UP_AFTER_S = float(os.environ.get("UNBROKEN_WARM_UP_AFTER_S", "10"))
+
+
+class ControllerState(enum.Enum):
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"  # preemption: waiting for the checkpoint the workers were asked for
+    RESTARTING = "RESTARTING"
+    FINISHED = "FINISHED"
+    INTERRUPTED = "INTERRUPTED"
+    ERRORED = "ERRORED"
+
+
+class _StopNow(BaseException):
+    """A second signal: stop the workers without waiting for anything."""
+
+
+class Controller:
+    """Runs `trainer.training_loop()` on a worker group until the run finishes or gives up."""
+
+    def __init__(self, trainer: Any, run: Run, restore_hint: str,
+                 group_factory: WorkerGroupFactory = make_worker_group) -> None:
+        self.trainer = trainer
+        self.group_factory = group_factory  # scaling -> a new WorkerGroup for each attempt
+        self.run = run
+        self.scaling: ScalingConfig = trainer.scaling_config
+        self.run_config: RunConfig = trainer.run_config
+        self.restore_hint = restore_hint
+        self.state = ControllerState.STARTING
+        self.policy = FailurePolicy(self.run_config.failure_config)
+        self.interrupts = Interrupts()
+        # Workers get the trainer without the driver-side callbacks (never called there, and
+        # a callback may hold something that cannot travel to a forkserver worker).
+        self._worker_trainer = copy.copy(trainer)
+        self._worker_trainer.run_config = dataclasses.replace(trainer.run_config, callbacks=None)
+        self._asked_at: int | None = None  # the round whose reply asked for a checkpoint
+        self._preempted = False  # the workers were told to stop because of a signal
+        self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
+        self._started = 0.0  # when the attempt's ranks were started
+        self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
+        self._saves = PendingCommits(run.reported)  # the attempt's asynchronous saves not committed yet
+
+    def execute(self) -> None:
+        """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
+        and TrainingInterruptedError on SIGTERM/SIGINT."""
+        with self.interrupts:
+            try:
+                while True:
+                    if self.interrupts.count:
+                        self._interrupted()
+                    if self._attempt():
+                        return
+            finally:
+                if self._warm is not None:
+                    self._warm.shutdown(kill=True)  # what it kept warm, unless a later group took it
+                self._record(self.run.lease.release)  # also when an attempt could not even begin
+
+    def _attempt(self) -> bool:
+        """One attempt: True when the run finished, False when the workers should restart."""
+        self.state = ControllerState.STARTING
+        resume = self.run.begin_attempt(self.scaling.num_workers)
+        attempt = self.run.attempt.number
+        if resume is not None:
+            log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
+        group = None
+        try:
+            group = self.group_factory(self.scaling, warm=self._warm)
+            self._cold = True
+            probe = self.run.write_probe(PROBE) if group.spans_machines else None
+            group.start(functools.partial(self._payload, resume, probe))
+            self._started = time.monotonic()
+            self.state = ControllerState.RUNNING
+            self._drive(group)
+        except BaseException as error:
+            if group is not None:
+                group.shutdown(kill=True, keep_warm=not self._cold)
+                if not self._cold:
+                    if self._warm is not None:
+                        self._warm.shutdown(kill=True)
+                    self._warm = group
+            if isinstance(error, LeaseLostError):
+                raise  # the run belongs to another driver now: write nothing more to it
+            if self.state is ControllerState.INTERRUPTED:
+                self._interrupted()
+            self._record(self.run.end_attempt, mf.ERRORED, error)
+            if not isinstance(error, Exception) or self.policy.decide(error) is FailureDecision.RAISE:
+                self.state = ControllerState.ERRORED
+                self._record(self.run.finish, mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
+                if not isinstance(error, Exception):
+                    raise
+                raise _failed(error,
+                    f"training failed in attempt {attempt} of run {self.run.path!r}: {_first_line(error)}\n"
+                    f"The run and its checkpoints are kept. After fixing the cause, continue it with "
+                    f"{self.restore_hint}") from error
+            self.state = ControllerState.RESTARTING
+            log.warning("run %s: attempt %d failed (%s); restarting the workers from the latest "
+                        "committed checkpoint (failure %d of %s)", self.run.path, attempt,
+                        _first_line(error), self.policy.failures,
+                        self.run_config.failure_config.max_failures)
+            return False
+        group.shutdown()
+        if self._preempted:
+            self._interrupted()
+        self.run.end_attempt(mf.FINISHED)
+        self.run.finish(mf.FINISHED)
+        self.state = ControllerState.FINISHED
+        return True
+
+    def _record(self, step: Callable[..., None], *args: Any) -> None:
+        """Write to the run directory on the way out, unless storage itself is what failed."""
+        try:
+            step(*args)
+        except StorageError as e:
+            log.error("run %s: could not record the failure (%s); the next attempt marks it",
+                      self.run.path, e)
+
+    def _interrupted(self) -> None:
+        """Close the attempt and the run as INTERRUPTED and raise with the restore hint."""
+        self.state = ControllerState.INTERRUPTED
+        if self.run.attempt is not None and self.run.attempt.ended_at is None:
+            self.run.end_attempt(mf.INTERRUPTED)
+        self.run.finish(mf.INTERRUPTED)
+        latest = self.run.checkpoints.latest
+        where = (f"its latest committed checkpoint is {latest.name} (iteration {latest.iteration})"
+                 if latest else "it has no committed checkpoint yet")
+        raise TrainingInterruptedError(
+            f"run {self.run.path!r} was interrupted by {self.interrupts.signal_name}; {where}.\n"
+            f"Continue it with {self.restore_hint}") from None
+
+    def _save_just_in_time(self, group: WorkerGroup, rounds: ReportRounds,
+                           failures: list[tuple[int, BaseException]]) -> None:
+        """The failure is final: when the ranks' TrainState can (`jit_checkpoint`), have a
+        surviving rank save the last complete round, commit it as that round's checkpoint, and
+        say in the attempt record what happened."""
+        jit = self._jit
+        if not jit.armed or jit.closed:
+            return
+        started = time.monotonic()
+        target, row = self._jit_target()
+
+        def running() -> set[int]:
+            return set(range(rounds.num_workers)) - rounds.failed - set(rounds.done)
+
+        def events(timeout: float) -> Iterator[tuple[int, Any]]:
+            for rank, message in group.poll(timeout):
+                self._take(group, rounds, failures, rank, message)
+                yield rank, message
+
+        saved = settle(jit, group, target, running, events)
+        record: dict[str, Any] = {"iteration": None}
+        if saved is not None and row is not None:
+            try:
+                self.run.commit_checkpoint(saved.iteration, [saved.files],
+                                           {**row, "checkpoint_dir_name": checkpoint_name(saved.iteration)})
+                record = {"iteration": saved.iteration, "rank": jit.saver,
+                          "seconds": round(time.monotonic() - started, 3)}
+                log.warning("run %s: rank %d saved iteration %d just in time; the next attempt resumes "
+                            "there", self.run.path, jit.saver, saved.iteration)
+            except StorageError as e:
+                jit.reasons.append(f"the commit failed: {e}")
+        if record["iteration"] is None:
+            record["why_not"] = "; ".join(jit.reasons) or "every rank died before it could offer"
+            log.warning("run %s: no just-in-time checkpoint (%s); the next attempt resumes from the "
+                        "latest periodic one", self.run.path, record["why_not"])
+        self.run.attempt.jit_checkpoint = record
+
+    def _jit_target(self) -> tuple[int | None, dict | None]:
+        """(the iteration a just-in-time checkpoint may save, its round's row): the last round
+        this attempt completed, when it is newer than the latest checkpoint and has none of its
+        own; (None, None) otherwise, with the reason noted."""
+        rows = self.run.history.rows
+        row = rows[-1] if rows else None
+        if row is None or row.get("attempt") != self.run.attempt.number:
+            self._jit.reasons.append("no report round was completed in this attempt")
+            return None, None
+        iteration = row["training_iteration"]
+        latest = self.run.checkpoints.latest
+        if row.get("checkpoint_dir_name"):
+            self._jit.reasons.append(f"round {iteration} has a checkpoint of its own")
+        elif latest is not None and latest.iteration >= iteration:
+            self._jit.reasons.append(f"checkpoint {latest.name} is as new as round {iteration}")
+        else:
+            return iteration, row
+        return None, None
+
+    def _payload(self, resume: Marker | None, probe: str | None, placement: Placement) -> WorkerPayload:
+        run, scaling = self.run, self.scaling
+        checkpoint = None
+        if resume is not None:
+            checkpoint = Checkpoint(run.storage.url(resume.name), run.storage.filesystem_arg)
+        elif self.trainer.resume_from_checkpoint is not None:
+            checkpoint = self.trainer.resume_from_checkpoint
+        info = WorkerInfo(
+            world_rank=placement.rank, world_size=scaling.num_workers, local_rank=placement.local_rank,
+            local_world_size=placement.local_world_size, node_rank=placement.node_rank,
+            experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
+            attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
+            checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
+            cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
+            node_address=placement.node_address, probe=probe, env=faults.carried_env(),
+            **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
+        info.env.update(self.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
+        return WorkerPayload(info=info, trainer=self._worker_trainer)
+
+    def _drive(self, group: WorkerGroup) -> None:
+        """Process worker messages until every worker is done; raise on any failure.
+
+        A failure is raised only once no incomplete round can complete any more (see
+        `report_rounds`) and no asynchronous save can commit any more (see `async_save`), so a
+        round that every rank reported is recorded and committed first.
+        Leaves the state STOPPING when the workers stopped for a preemption, and
+        INTERRUPTED (with the workers still running) on a second signal.
+        """
+        rounds = ReportRounds(self.scaling.num_workers, last_heard=time.monotonic())
+        self._saves = PendingCommits(self.run.reported)
+        self._jit = Coordinator()
+        failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
+        failed_at = 0.0
+        signals = 0
+        hang_s = self.run_config.failure_config.hang_timeout_s
+        try:
+            while not rounds.all_done:
+                self.run.lease.beat()
+                signals = self._take_signals(signals)
+                now = time.monotonic()
+                timeout = POLL_S
+                if failures:
+                    can_complete = rounds.can_complete() or self._saves.can_complete(rounds.failed)
+                    if not can_complete or now - failed_at >= ROUND_GRACE_S:
+                        self._save_just_in_time(group, rounds, failures)
+                        raise _root_cause(group, failures)
+                    timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
+                if hang_s is not None:
+                    timeout = max(0.0, min(timeout, rounds.hang_left(now, hang_s)))
+                events = group.poll(timeout, wake=self.interrupts)
+                now = time.monotonic()
+                if events:
+                    rounds.heard(now)
+                elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
+                    raise rounds.hang_error(hang_s)
+                for rank, message in events:
+                    self._take(group, rounds, failures, rank, message)
+                if failures:
+                    failed_at = failed_at or now
+                else:
+                    rounds.check_counts()
+        finally:
+            self._saves.close()  # the rounds behind a save that never committed
+
+    def _take_signals(self, seen: int) -> int:
+        """React to SIGTERM/SIGINT received since `seen` of them: the first asks for a
+        checkpoint and a stop (STOPPING), another one stops at once. Returns the count."""
+        count = self.interrupts.count  # once: another signal may land while this one is logged
+        if count <= seen:
+            return seen
+        if count > 1 or self.state is ControllerState.STOPPING:
+            log.warning("run %s: %s again: stopping the workers now", self.run.path,
+                        self.interrupts.signal_name)
+            self.state = ControllerState.INTERRUPTED
+            raise _StopNow
+        self.state = ControllerState.STOPPING
+        log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
+                    "(send it again to stop at once)", self.run.path, self.interrupts.signal_name)
+        return count
+
+    def _take(self, group: WorkerGroup, rounds: ReportRounds, failures: list[tuple[int, BaseException]],
+              rank: int, message: Any) -> None:
+        """Handle one event from the group; a failure is collected in `failures`, not raised."""
+        if isinstance(message, Report):
+            complete = rounds.add_report(rank, message)
+            if complete is not None:
+                self._complete_round(group, rounds, message.iteration, complete)
+        elif isinstance(message, Staged):
+            ready = self._saves.staged(rank, message)
+            if ready is not None:
+                self._commit_async(group, rounds, ready)
+        elif isinstance(message, JIT_MESSAGES):
+            self._jit.take(group, rank, message)
+        elif isinstance(message, Rendezvous):
+            for other in range(1, rounds.num_workers):
+                group.send(other, message)
+        elif isinstance(message, Done):
+            rounds.finish(rank, message.reports)
+            group.mark_finished(rank)
+        elif isinstance(message, (Failed, WorkerDied)):
+            rounds.fail(rank)
+            failures.append((rank, message if isinstance(message, WorkerDied) else
+                             _worker_exception(rank, message.traceback, message.error)))
+        else:
+            raise TypeError(f"rank {rank} sent an unknown message {message!r}")
+
+    def _complete_round(self, group: WorkerGroup, rounds: ReportRounds, iteration: int,
+                        by_rank: dict[int, Report]) -> None:
+        files = [by_rank[r].files for r in sorted(by_rank) if by_rank[r].files is not None]
+        pending = {r for r, m in by_rank.items() if m.pending}
+        name = round_name(iteration, {r: m.name for r, m in by_rank.items()
+                                      if m.files is not None or m.pending})
+        row = self.run.record(iteration, by_rank[0].metrics, name if files or pending else None)
+        metrics = [by_rank[r].metrics for r in sorted(by_rank)]
+        # With a save pending, committed once the ranks' background writes are durable (`_commit_async`).
+        marker = self.run.commit_checkpoint(iteration, files, row, name) if files and not pending else None
+        staged = {r: m.files for r, m in by_rank.items() if m.files is not None}
+        ready = self._saves.round(PendingCommit(iteration, name, row, metrics, staged, pending, marker))
+        if ready is not None:
+            self._commit_async(group, rounds, ready)
+        if self._cold and time.monotonic() - self._started >= WARM_UP_AFTER_S and self.policy.can_retry():
+            self._cold = False
+            group.warm_up()  # the ranks are in their loop: get a restart ready in the background
+        stop, checkpoint = _stop_met(self.run_config.stop, row), False
+        if self.state is ControllerState.STOPPING:
+            if self._asked_at is None:
+                self._asked_at = iteration
+                checkpoint = True
+            else:
+                stop = self._preempted = True
+                if not files and not pending:
+                    latest = self.run.checkpoints.latest
+                    log.warning("run %s: the training loop did not attach a checkpoint to report %d when "
+                                "asked (train.get_context().should_checkpoint() was true); a restore "
+                                "resumes from %s", self.run.path, iteration,
+                                latest.name if latest else "the start")
+        reply = Reply(stop=stop, checkpoint=checkpoint)
+        for rank in sorted(by_rank):
+            group.send(rank, reply)
+        if self.run_config.verbose >= 2:
+            log.info("run %s: %s", self.run.manifest.name,
+                     {k: v for k, v in row.items() if k not in ("timestamp",)})
+
+
+    def _commit_async(self, group: WorkerGroup, rounds: ReportRounds, save: PendingCommit) -> None:
+        """Commit an asynchronous save whose files every rank made durable, and tell the ranks
+        still running (`train.get_all_reported_checkpoints` waits for it)."""
+        marker = self.run.commit_checkpoint(save.iteration, save.per_rank_files(), save.row, save.name)
+        self._saves.committed(save, marker)
+        for rank in range(rounds.num_workers):
+            if rank not in rounds.done and rank not in rounds.failed:
+                try:
+                    group.send(rank, Committed(save.iteration))
+                except OSError:
+                    pass  # it ended meanwhile: its Done is on the way
+
+
+def _failed(error: Exception, message: str) -> TrainingFailedError:
+    """What fit() raises when it gives up: WorkerGroupError when a rank raised, died or hung,
+    ControllerError when the driver's own work failed (both are TrainingFailedErrors)."""
+    rank = failed_rank(error)
+    if rank >= 0 or isinstance(error, WorkerError):
+        return WorkerGroupError(message, {rank: error})
+    return ControllerError(message, error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _root_cause(group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> BaseException:
+    """The error to handle for a failed group: the first failure, unless a rank reported an
+    error while a peer was killed (a signal: OOM, SIGKILL) or lost with its node: the error is
+    then usually just the broken connection to that peer, and the loss is the root cause."""
+    rank, first = failures[0]
+    if isinstance(first, WorkerDied):
+        return WorkerError(str(first), rank=rank)
+    for killed in group.lost_ranks(ROOT_CAUSE_WAIT_S):
+        error = WorkerError(f"{killed}; then rank {rank} failed with {_first_line(first)}", rank=killed.rank)
+        error.__cause__ = first
+        return error
+    return first
+
+
+def _stop_met(stop: Any, row: dict) -> bool:
+    if not stop:
+        return False
+    if callable(stop):
+        return bool(stop(row))
+    return any(key in row and row[key] >= threshold for key, threshold in stop.items())
+
+
+def _worker_exception(rank: int, text: str, blob: bytes | None) -> BaseException:
+    """The worker's own exception when it unpickles here (with the remote traceback attached)."""
+    error: BaseException | None = None
+    if blob is not None:
+        try:
+            error = cloudpickle.loads(blob)
+        except Exception:
+            error = None
+    remote = WorkerError(f"worker rank {rank} raised", rank=rank, traceback_text=text)
+    if error is None or not isinstance(error, Exception):
+        return remote
+    error.__cause__ = remote
+    return error

@@ -1,0 +1,128 @@
+"""The interface an engine implements: a group of workers, one per rank, as the controller
+drives it.
+
+The controller (`unbroken.execution.controller`) knows nothing of processes, actors or machines. It
+asks a `WorkerGroup` to place and start the ranks, hands each rank a payload, and then only
+exchanges `unbroken.worker.protocol` messages with them, learns from the group when a rank is lost
+and why (`WorkerDied`, an engine-neutral cause), and kills the group. Each rank talks to the
+driver through a `Channel`, a two-way link that the engine provides and the worker's
+`Session` uses. The local engine (`engine.local`) and the Ray engine (`engine.ray`) are two
+implementations; a test's fake group (`tests/fake_group.py`) is another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from unbroken.errors import WorkerDied
+from unbroken.worker.protocol import WorkerMessage
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank runs, as the engine placed it. Ranks are ordered by node: the ranks of
+    node 0 come first, and `local_rank` counts within a node."""
+
+    rank: int
+    node_rank: int
+    local_rank: int
+    local_world_size: int
+    node_id: str        # the engine's name for the machine (a hostname, a Ray node id)
+    node_address: str   # where other ranks reach this node (rank 0's is the rendezvous host)
+    cpus: int = 1       # the CPU threads the rank may use (torch's intra-op threads)
+
+
+class Channel(Protocol):
+    """One rank's two-way link to the driver, used on the worker side.
+
+    Messages arrive in the order they were sent, each whole or not at all. `recv` blocks
+    until a message arrives; it raises EOFError or OSError once the driver is gone (the
+    worker then ends). `send` of a message the driver can no longer take raises OSError.
+    """
+
+    def send(self, message: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+
+class Wakeup(Protocol):
+    """Something that can cut a `poll` short, e.g. the driver's signal handlers
+    (`preemption.Interrupts`): it becomes readable when woken, and `drain()` resets it."""
+
+    def fileno(self) -> int: ...
+
+    def drain(self) -> None: ...
+
+
+Event = tuple[int, "WorkerMessage | WorkerDied"]
+
+
+class WorkerGroup(Protocol):
+    """The workers of one attempt, addressed by rank (0 .. num_workers-1).
+
+    Lifecycle: `start` once; then any number of `poll`, `send`, `mark_finished` and
+    `lost_ranks` calls; then `shutdown` (always, also after `start` raised). A group is not
+    reused across attempts: each attempt gets a new one from the engine's factory.
+    """
+
+    num_workers: int
+    spans_machines: bool
+    """Ranks may run on machines other than the driver's: before training, each checks that it
+    sees the run directory the driver wrote (storage must be shared by every node)."""
+
+    def start(self, payload: Callable[[Placement], Any]) -> list[Placement]:
+        """Place every rank (all or none: a group that cannot place every rank raises, naming
+        what is missing, and leaves nothing running), call `payload(placement)` for each to get
+        what the rank runs, and start them. Returns the placements, by rank. Raises on any
+        failure to start; `shutdown` is still called afterwards."""
+        ...
+
+    def poll(self, timeout: float, wake: Wakeup | None = None) -> list[Event]:
+        """What happened within `timeout` seconds, as (rank, message) pairs, in each rank's
+        own order (no order is promised across ranks). Returns early, possibly with nothing,
+        when `wake` is woken. A rank that ended without `Done` -- its process exited or was
+        killed, its node was lost -- appears exactly once as (rank, WorkerDied), in a later
+        poll than the one that returned its last message, so the caller has handled that
+        message first. A rank passed to `mark_finished` never appears as died. Never raises
+        for a rank's failure; raises only when the group itself cannot be waited on."""
+        ...
+
+    def send(self, rank: int, message: Any) -> None:
+        """Deliver `message` to `rank` (its `Channel.recv` returns it), in order. A rank that
+        is gone is not an error here: its death is reported by `poll`."""
+        ...
+
+    def mark_finished(self, rank: int) -> None:
+        """`rank` said `Done`: its exit from now on is expected, not a death. Called once per
+        rank."""
+        ...
+
+    def warm_up(self) -> None:
+        """The attempt is running and a failure would be retried: get ready to start the next
+        attempt's ranks fast (a warm template process, spare actors), in the background.
+        Called at most once per attempt, after its first complete round; must not slow the
+        running ranks' reports. Idempotent; may do nothing."""
+        ...
+
+    def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
+        """The ranks killed by a signal or lost with their node so far, waiting up to `wait_s`
+        for such a loss to show (when one rank reports an error, a peer killed at the same
+        moment is the root cause, and its death may take a moment to be seen). May be called
+        any number of times; reads only."""
+        ...
+
+    def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
+        """End the group: wait for the ranks to exit (briefly; then kill them), or with `kill`
+        kill them at once (a surviving rank may be blocked in a collective with a dead peer).
+        `keep_warm`: leave what `warm_up` prepared for the next group of this fit() (which gets
+        this group as `warm`); a later plain `shutdown` releases what no group took.
+        Idempotent, and safe after a `start` that raised."""
+        ...
+
+
+WorkerGroupFactory = Callable[..., WorkerGroup]
+"""`factory(scaling, warm=None)`: a new group per attempt. `warm`: the failed group of the
+previous attempt, which was asked to `warm_up` and shut down with `keep_warm`; the new group
+may start its ranks from what that prepared (and takes it over)."""

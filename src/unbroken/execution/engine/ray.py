@@ -1,0 +1,517 @@
+"""The Ray engine: one Ray actor per rank, gang-scheduled in a placement group across the
+nodes of a Ray cluster.
+
+Ray places, starts and kills the ranks, and tells when one is lost. Messages do not go
+through Ray: each rank opens one TCP connection to the driver, authenticated with a secret
+drawn for the attempt (`multiprocessing.connection`'s HMAC challenge: the secret never
+crosses the network, and nothing is unpickled from a peer that has not proved it holds it).
+The controller's messages travel on it as on the local engine's pipes, so a report costs one
+small message each way (a fraction of a millisecond) instead of Ray calls.
+
+Lifetimes: actors are never detached, so Ray kills them when the driver dies; `shutdown`
+kills them and removes the placement group (unless the next attempt takes it over warm: see
+`RayWorkerGroup`). A rank is lost when its process dies (its
+running call fails with `ActorDiedError` within milliseconds) or its node does: the call
+then fails with `ActorUnavailableError` about a second after the loss, and that counts as
+lost at once (Ray's dead-node verdict comes ~15 s later, and the peers cannot progress).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import (
+    AuthenticationError,
+    Client,
+    Connection,
+    answer_challenge,
+    deliver_challenge,
+)
+from typing import Any
+
+import cloudpickle
+import ray
+import ray.exceptions
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+import unbroken
+from unbroken.core.config import ScalingConfig
+from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
+from unbroken.execution.engine.base import Event, Placement, Wakeup
+from unbroken.execution.engine.local import PipeChannel
+from unbroken.worker.protocol import from_wire, to_wire
+from unbroken.worker.runner import run_worker
+
+# How long the placement group may take to be placed (all ranks or none), and the actors to
+# start and connect. Env vars, as Ray Train's own timeouts are.
+PLACEMENT_TIMEOUT_S = float(os.environ.get("UNBROKEN_RAY_PLACEMENT_TIMEOUT_S", "60"))
+START_TIMEOUT_S = float(os.environ.get("UNBROKEN_RAY_START_TIMEOUT_S", "300"))
+# How often an idle poll asks Ray whether a rank's call ended (a lost node whose connection
+# does not close); a closed connection is looked into at once.
+CHECK_S = 0.25
+# After a rank's connection closed without `Done`: how long Ray may take to say why (a killed
+# process: milliseconds; a lost node: ~1.4 s, measured). Past it, the rank is lost all the same.
+WHY_WAIT_S = 2.0
+_HANDSHAKE_S = 10
+# How long a restart waits for the spares to finish warming up (each imports torch once).
+WARM_WAIT_S = 60.0
+
+
+def connect() -> None:
+    """Attach this process to the Ray cluster (RAY_ADDRESS, else a local Ray, as Ray Train
+    does), unless it already is.
+
+    `ray.init` replaces the process's SIGTERM and SIGINT handlers with Ray's, which end the
+    driver at once; the handlers in place before (the controller's preemption handling, while
+    fit() runs) are put back."""
+    if ray.is_initialized():
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def cluster_address() -> str:
+    """The address a process on any node passes to `ray.init` to join this driver's cluster."""
+    connect()
+    return ray.get_runtime_context().gcs_address
+
+
+def versions() -> dict[str, str]:
+    """What must match between the driver and every node for a payload to run there."""
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "none"
+    return {"python": ".".join(map(str, sys.version_info[:2])), "unbroken": unbroken.__version__,
+            "torch": torch_version}
+
+
+class RankActor:
+    """One rank's process on a node. Its methods run one at a time, on the main thread."""
+
+    def meta(self) -> dict[str, Any]:
+        """Where this actor runs and what it has (it imports torch now, while its peers start)."""
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "versions": versions()}
+
+    def warm(self, ddp: bool) -> None:
+        """Import now what a rank imports, so that this spare starts a restarted rank at once:
+        torch, and torch._dynamo, which DDP imports on first use. The imports run in a thread
+        of the lowest CPU priority (on Linux a thread has its own), so that they take only
+        what the running ranks leave idle; the spare's own thread keeps its priority."""
+
+        def imports() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, 19)  # this thread only, on Linux
+            except (OSError, AttributeError):
+                pass
+            import torch  # noqa: F401
+
+            if ddp:
+                import torch._dynamo  # noqa: F401
+
+        thread = threading.Thread(target=imports, name="unbroken-warm-up")
+        thread.start()
+        thread.join()
+
+    def run(self, payload: bytes, rank: int, address: tuple[str, int], authkey: bytes,
+            sys_path: list[str]) -> str:
+        """Run the rank's part of the attempt; returns the outcome's name. The driver's import
+        path is added where its directories exist here, so that functions pickled by reference
+        (defined in the driver's modules) load as they do in a local worker."""
+        sys.path.extend(p for p in sys_path if p not in sys.path and os.path.isdir(p))
+        work = cloudpickle.loads(payload)
+        conn = Client(tuple(address), authkey=authkey)
+        _no_delay(conn)
+        conn.send(("hello", rank))
+        try:
+            return type(run_worker(work, PipeChannel(conn))).__name__
+        finally:
+            conn.close()
+
+
+def _no_delay(conn: Connection) -> None:
+    """Small messages each way per report: do not let Nagle's algorithm hold them back."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Listener:
+    """The driver's end: a TCP server on the driver's node address (port 0: no race) that
+    hands out connections only after they passed the authentication challenge."""
+
+    def __init__(self, host: str, authkey: bytes) -> None:
+        self.authkey = authkey
+        self.sock = socket.create_server((host, 0))
+        self.address = self.sock.getsockname()[:2]
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def accept(self) -> Connection | None:
+        """A connection that proved it holds the secret, or None (a stranger, or one that
+        stalled for 10 s in the handshake)."""
+        sock, _ = self.sock.accept()
+        timeout = struct.pack("ll", _HANDSHAKE_S, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(sock.detach())
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            with socket.socket(fileno=os.dup(conn.fileno())) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        except (AuthenticationError, OSError, EOFError):
+            conn.close()
+            return None
+        return conn
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _bundle(scaling: ScalingConfig) -> dict[str, float]:
+    """The resources one rank asks for: 1 CPU unless resources_per_worker says otherwise, a GPU
+    with use_gpu, and the accelerator type when one is named."""
+    bundle = {"CPU": 1.0, **(scaling.resources_per_worker or {})}
+    if scaling.use_gpu:
+        bundle.setdefault("GPU", 1.0)
+    if scaling.accelerator_type:
+        bundle[f"accelerator_type:{scaling.accelerator_type}"] = 0.001
+    return {k: float(v) for k, v in bundle.items() if v}
+
+
+def _missing(bundle: dict[str, float], n: int, strategy: str) -> str:
+    """What the cluster lacks for `n` bundles, as a sentence for the error."""
+    total = ray.cluster_resources()
+    free = ray.available_resources()
+    need = {k: v * n for k, v in bundle.items()}
+    short = [f"{k}: {need[k]:g} needed, {total.get(k, 0):g} in the cluster ({free.get(k, 0):g} free)"
+             for k in sorted(need) if total.get(k, 0) < need[k] or free.get(k, 0) < need[k]]
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    if not short:
+        short = [f"the cluster has the resources in total, but not in the shape {strategy} asks "
+                 f"for ({n} bundles of {bundle} on {nodes} live nodes)"]
+    return "; ".join(short)
+
+
+def _order(metas: list[dict[str, Any]]) -> list[tuple[int, int, int, int]]:
+    """(bundle index, node rank, local rank, local world size) for each rank, ranks grouped by
+    node (the nodes in the order of their first bundle) so that neighbours share a node."""
+    nodes: dict[str, list[int]] = {}
+    for index, meta in enumerate(metas):
+        nodes.setdefault(meta["node_id"], []).append(index)
+    return [(index, node_rank, local_rank, len(indices))
+            for node_rank, indices in enumerate(nodes.values())
+            for local_rank, index in enumerate(indices)]
+
+
+def _why(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
+    """The engine-neutral cause for a rank whose actor call failed with `error`."""
+    where = f"node {meta['address']} ({meta['node_id'][:12]})"
+    text = str(error).strip().splitlines()
+    first = text[0] if text else type(error).__name__
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+        return WorkerDied(rank, node_lost=f"{where} unreachable: {first}", engine="ray")
+    if isinstance(error, ray.exceptions.ActorDiedError) and getattr(error, "preempted", False):
+        return WorkerDied(rank, node_lost=f"{where} preempted", engine="ray")
+    return WorkerDied(rank, cause=f"its actor on {where} died: {type(error).__name__}: {first}",
+                      engine="ray")
+
+
+class RayWorkerGroup:
+    """Ranks as Ray actors in one placement group: a `WorkerGroup` (engine.base).
+
+    Warm restarts: once the ranks are in their loop and a failure would be retried,
+    `warm_up` starts one spare actor per bundle of the placement group (no resources of its
+    own), which imports torch and torch._dynamo and waits. After a failure the group is shut
+    down with `keep_warm`, and the next group keeps the placement group and starts its ranks
+    on the spares. When a spare is gone too (its node was lost), or with GPUs (a spare has
+    none assigned), the next group starts cold."""
+
+    spans_machines = True
+
+    def __init__(self, scaling: ScalingConfig, warm: RayWorkerGroup | None = None) -> None:
+        self.scaling = scaling
+        self.num_workers = scaling.num_workers
+        self.pg: Any = None
+        self.actors: list[Any] = []   # by rank
+        self.spares: list[Any] = []   # by bundle, after warm_up
+        self.refs: list[Any] = []     # each rank's running `run` call
+        self.metas: list[dict[str, Any]] = []
+        self.conns: list[Connection | None] = []
+        self._warm = warm
+        self._bundles: list[int] = []  # each rank's bundle in the placement group
+        self._selector = selectors.DefaultSelector()
+        self._wake: Wakeup | None = None
+        self._listener: _Listener | None = None
+        self._finished: set[int] = set()
+        self._ended: set[int] = set()        # reported as died, or finished
+        self._dying: dict[int, WorkerDied] = {}  # shows in the next poll
+        self._checked = 0.0
+
+    # -- start -----------------------------------------------------------------------------
+    def start(self, payload: Callable[[Placement], Any]) -> list[Placement]:
+        connect()
+        taken = self._take_warm()
+        by_bundle, metas = taken if taken is not None else self._place()
+        mine = versions()
+        for meta in metas:
+            if meta["versions"] != mine:
+                raise VersionMismatchError(
+                    f"node {meta['address']} runs {meta['versions']}, the driver {mine}: a worker "
+                    "there could not load what the driver sends. Hint: install the same versions "
+                    "of Python, torch and unbroken on every node")
+        cpus = max(1, int(_bundle(self.scaling).get("CPU", 1)))
+        placements = []
+        self.actors, self.metas, self._bundles = [], [], []
+        for rank, (index, node_rank, local_rank, local_size) in enumerate(_order(metas)):
+            self.actors.append(by_bundle[index])
+            self.metas.append(metas[index])
+            self._bundles.append(index)
+            placements.append(Placement(
+                rank=rank, node_rank=node_rank, local_rank=local_rank, local_world_size=local_size,
+                node_id=metas[index]["node_id"], node_address=metas[index]["address"], cpus=cpus))
+        self._launch(payload, placements)
+        return placements
+
+    def _place(self) -> tuple[list[Any], list[dict[str, Any]]]:
+        """A new placement group and one actor per bundle: (actors by bundle, their metas)."""
+        n, strategy = self.num_workers, self.scaling.placement_strategy
+        bundle = _bundle(self.scaling)
+        self.pg = placement_group([bundle] * n, strategy=strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise InsufficientResourcesError(
+                f"the Ray cluster could not place {n} workers ({strategy}, each {bundle}) within "
+                f"{PLACEMENT_TIMEOUT_S:g} s: {_missing(bundle, n, strategy)}. Hint: add nodes, or "
+                "lower ScalingConfig(num_workers=..., resources_per_worker=...), or use "
+                "placement_strategy='PACK' (UNBROKEN_RAY_PLACEMENT_TIMEOUT_S sets the wait)") from None
+        gpus, cpus = bundle.pop("GPU", 0), bundle.pop("CPU", 0)
+        self.actors = [self._actor(i, cpus, gpus, bundle) for i in range(n)]  # shutdown kills them all
+        return self.actors, ray.get([a.meta.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+
+    def _actor(self, index: int, cpus: float, gpus: float, resources: dict[str, float]) -> Any:
+        return ray.remote(RankActor).options(
+            num_cpus=cpus, num_gpus=gpus, resources=resources, max_restarts=0, max_concurrency=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+        ).remote()
+
+    def _take_warm(self) -> tuple[list[Any], list[dict[str, Any]]] | None:
+        """The previous group's placement group and spare actors, when every spare still answers."""
+        old, self._warm = self._warm, None
+        if old is None or not old.spares:
+            return None
+        spares, pg = old.spares, old.pg
+        old.spares, old.pg = [], None
+        self.pg, self.actors = pg, spares  # from here on, this group's to release
+        try:
+            return spares, ray.get([a.meta.remote() for a in spares], timeout=WARM_WAIT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            self._release()
+            return None
+
+    def warm_up(self) -> None:
+        if self.spares or self.pg is None or self.scaling.use_gpu:
+            return
+        self.spares = [self._actor(i, 0, 0, {}) for i in range(self.num_workers)]
+        for spare in self.spares:
+            spare.warm.remote(self.num_workers > 1)
+
+    def _launch(self, payload: Callable[[Placement], Any], placements: list[Placement]) -> None:
+        """Start every rank's `run` and wait until each has connected (or one failed)."""
+        authkey = secrets.token_bytes(32)
+        self._listener = _Listener(ray.util.get_node_ip_address(), authkey)
+        self.refs = [actor.run.remote(cloudpickle.dumps(payload(p)), p.rank, self._listener.address,
+                                      authkey, list(sys.path))
+                     for actor, p in zip(self.actors, placements, strict=True)]
+        self.conns = [None] * self.num_workers
+        waiting = selectors.DefaultSelector()
+        waiting.register(self._listener, selectors.EVENT_READ)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while any(c is None for c in self.conns):
+                if time.monotonic() > deadline:
+                    raise InsufficientResourcesError(
+                        f"the workers did not connect to the driver at {self._listener.address} within "
+                        f"{START_TIMEOUT_S:g} s. Hint: the driver's address must be reachable from "
+                        "every node (UNBROKEN_RAY_START_TIMEOUT_S sets the wait)")
+                if waiting.select(CHECK_S):
+                    self._greet()
+                waiting_for = [ref for rank, ref in enumerate(self.refs) if self.conns[rank] is None]
+                ended, _ = ray.wait(waiting_for, num_returns=len(waiting_for), timeout=0)
+                for ref in ended:
+                    # Raises the rank's error (an import that fails on the node, ...). A rank that
+                    # returned had connected first (it may fail fast, e.g. on the storage probe):
+                    # its connection waits to be accepted, with its messages.
+                    ray.get(ref)
+        finally:
+            waiting.close()
+        for rank, conn in enumerate(self.conns):
+            self._selector.register(conn, selectors.EVENT_READ, rank)
+
+    def _greet(self) -> None:
+        conn = self._listener.accept()
+        if conn is None or not conn.poll(_HANDSHAKE_S):
+            return
+        kind, rank = conn.recv()
+        if kind == "hello" and 0 <= rank < self.num_workers and self.conns[rank] is None:
+            self.conns[rank] = conn
+        else:
+            conn.close()
+
+    # -- running ---------------------------------------------------------------------------
+    def send(self, rank: int, message: Any) -> None:
+        conn = self.conns[rank]
+        if conn is None or rank in self._ended:
+            return
+        try:
+            conn.send(to_wire(message))
+        except OSError:
+            pass  # its death is reported by poll()
+
+    def poll(self, timeout: float, wake: Wakeup | None = None) -> list[Event]:
+        if wake is not None and wake is not self._wake:
+            self._selector.register(wake, selectors.EVENT_READ, wake)
+            self._wake = wake
+        out: list[Event] = [(rank, died) for rank, died in self._dying.items()]
+        self._ended.update(self._dying)
+        self._dying = {}
+        closed = []
+        for key, _ in self._selector.select(0 if out else min(timeout, CHECK_S)):
+            if key.data is self._wake:
+                self._wake.drain()
+                continue
+            rank = key.data
+            messages, eof = self._read(rank)
+            out.extend((rank, m) for m in messages)
+            if eof:
+                closed.append(rank)
+        now = time.monotonic()
+        if closed or now - self._checked >= CHECK_S:
+            self._checked = now
+            self._look_for_losses(closed, out)
+        return out
+
+    def _read(self, rank: int) -> tuple[list[Any], bool]:
+        """Every message waiting on `rank`'s connection, and whether it closed."""
+        conn, out = self.conns[rank], []
+        try:
+            while conn.poll():
+                out.append(from_wire(conn.recv()))
+        except (EOFError, OSError):
+            self._selector.unregister(conn)
+            return out, True
+        return out, False
+
+    def _look_for_losses(self, closed: list[int], out: list[Event]) -> None:
+        """Turn ended calls and closed connections of unfinished ranks into deaths; a rank with
+        a message in `out` dies in the next poll, after its message was handled."""
+        live = {rank: ref for rank, ref in enumerate(self.refs)
+                if rank not in self._ended and rank not in self._finished}
+        if not live:
+            return
+        ended, _ = ray.wait(list(live.values()), num_returns=len(live), timeout=0)
+        gone = {rank for rank, ref in live.items() if ref in ended}
+        for rank in closed:
+            if rank in live and rank not in gone:
+                ready, _ = ray.wait([live[rank]], timeout=WHY_WAIT_S)
+                if ready:
+                    gone.add(rank)
+                else:
+                    where = self.metas[rank]["address"]
+                    self._dying[rank] = WorkerDied(
+                        rank, cause=f"its connection to the driver closed (node {where})", engine="ray")
+        spoke = {rank for rank, _ in out}
+        for rank in sorted(gone):
+            died = self._died(rank)
+            if died is None:
+                continue
+            if rank in spoke or rank in self._dying:
+                self._dying[rank] = died
+            else:
+                out.append((rank, died))
+                self._ended.add(rank)
+        for rank in list(self._dying):
+            if rank not in spoke:
+                out.append((rank, self._dying.pop(rank)))
+                self._ended.add(rank)
+
+    def _died(self, rank: int) -> WorkerDied | None:
+        """Why `rank`'s ended call ended (None: it ended cleanly, its `Done` is on the way)."""
+        try:
+            ray.get(self.refs[rank], timeout=0)
+        except ray.exceptions.RayActorError as error:
+            return _why(rank, error, self.metas[rank])
+        except Exception as error:  # noqa: BLE001 - the call itself failed: a death all the same
+            return WorkerDied(rank, cause=f"{type(error).__name__}: {error}", engine="ray")
+        return None  # it returned: its outcome (Done or Failed) was sent before
+
+    def mark_finished(self, rank: int) -> None:
+        self._finished.add(rank)
+
+    def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
+        live = [ref for rank, ref in enumerate(self.refs) if rank not in self._finished]
+        if not live:
+            return []
+        ray.wait(live, num_returns=1, timeout=wait_s)
+        ended, _ = ray.wait(live, num_returns=len(live), timeout=0)
+        lost = []
+        for rank, ref in enumerate(self.refs):
+            if ref in ended and rank not in self._finished:
+                died = self._died(rank)
+                if died is not None and died.violent:
+                    lost.append(died)
+        return lost
+
+    def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
+        if self.refs and not kill:
+            ray.wait(self.refs, num_returns=len(self.refs), timeout=5)
+        _kill(self.actors)
+        self.actors, self.refs = [], []
+        if not (keep_warm and self.spares):
+            self._release()
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        if self._listener is not None:
+            self._listener.close()
+        self._selector.close()
+        self.conns, self._listener = [], None
+
+    def _release(self) -> None:
+        """Kill the actors and spares, and give the placement group's resources back."""
+        _kill(self.actors + self.spares)
+        self.actors, self.spares = [], []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.pg = None
+
+
+def _kill(actors: list[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass

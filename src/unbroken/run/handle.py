@@ -1,0 +1,147 @@
+"""The run directory: one place that persists a run's manifest, attempts, metric rows
+and checkpoints, while its driver holds the lease."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import traceback
+from typing import Any
+
+from unbroken.core.config import CheckpointConfig
+from unbroken.run.callbacks import CallbackList
+from unbroken.store import manifest as mf
+from unbroken.store.checkpoint_manager import CheckpointManager
+from unbroken.store.commit import FileEntry, Marker
+from unbroken.store.history import History
+from unbroken.store.lease import Lease
+from unbroken.store.manifest import Attempt, RunManifest
+from unbroken.store.storage import Storage
+
+log = logging.getLogger("unbroken")
+
+ERROR_TXT = "error.txt"
+
+
+class Run:
+    """A run directory opened for writing by the driver that holds its lease."""
+
+    def __init__(self, storage: Storage, manifest: RunManifest, previous: bytes | None,
+                 lease: Lease, checkpoint_config: CheckpointConfig) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self._previous = previous
+        self.lease = lease
+        self.checkpoints = CheckpointManager(storage, checkpoint_config)
+        self.history = History(storage)
+        self.attempt: Attempt | None = None
+        self._attempt_t0 = 0.0
+        self._time_base = 0.0
+        self._last_report_t = 0.0
+        self.callbacks = CallbackList()  # the trainer sets RunConfig.callbacks and the progress display
+        # How this fit() changed the run's identity (recorded with its first attempt), or None.
+        self.config_change: dict[str, dict[str, Any]] | None = None
+
+    @property
+    def path(self) -> str:
+        return self.storage.url()
+
+    def save_manifest(self) -> None:
+        self._previous = mf.save(self.storage, self.manifest, self._previous)
+
+    def write_probe(self, rel: str) -> str:
+        """Write a fresh random token to `rel` in the run directory; returns it (workers on
+        other nodes read it back to check that they share the run's storage)."""
+        token = secrets.token_hex(16)
+        self.storage.write_atomic(rel, token.encode())
+        return token
+
+    # -- attempts -----------------------------------------------------------------------
+    def begin_attempt(self, num_workers: int) -> Marker | None:
+        """Start a new attempt from the newest committed checkpoint; returns its marker."""
+        self.lease.beat()
+        resume = self.checkpoints.recover()
+        self.checkpoints.retain()
+        for earlier in self.manifest.attempts:
+            if earlier.status == mf.RUNNING:  # its driver died without recording an end
+                earlier.status = mf.ABORTED
+                earlier.error = earlier.error or "the driver stopped without recording an end (killed?)"
+        self.attempt = Attempt(number=self.manifest.attempt_count + 1, started_at=time.time(),
+                               resumed_from=resume.name if resume else None,
+                               resumed_iteration=resume.iteration if resume else 0,
+                               num_workers=num_workers, config_change=self.config_change)
+        self.config_change = None  # a restart within this fit() changes nothing more
+        self.manifest.attempts.append(self.attempt)
+        self.manifest.status = mf.RUNNING
+        self._sync_checkpoint_fields()
+        self.save_manifest()
+        if self.history._rows is None:  # after run.json exists: a new run's first files are in order
+            self.history.open()
+        self._time_base = float(resume.metrics.get("time_total_s", 0.0)) if resume else 0.0
+        self._attempt_t0 = self._last_report_t = time.monotonic()
+        self.callbacks.attempt_started()
+        return resume
+
+    def end_attempt(self, status: str, error: BaseException | None = None) -> None:
+        assert self.attempt is not None
+        self.attempt.ended_at = time.time()
+        self.attempt.status = status
+        if error is not None:
+            self.attempt.error = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.storage.write_atomic(ERROR_TXT, f"attempt {self.attempt.number}\n{text}".encode())
+        self.history.sync()
+        self.save_manifest()
+        self.callbacks.attempt_ended(status, error)
+
+    def finish(self, status: str) -> None:
+        """Mark the whole run FINISHED, ERRORED or INTERRUPTED and release the lease.
+
+        The rows and progress.csv are written first: once run.json says the run ended, no
+        later fit() writes to it (a finished run is returned as it is), so nothing may be
+        left half-written after that."""
+        self.history.close()
+        self.manifest.status = status
+        self._sync_checkpoint_fields()
+        self.save_manifest()
+        self.callbacks.run_ended(status)
+        self.lease.release()
+
+    # -- reports ------------------------------------------------------------------------
+    def record(self, iteration: int, metrics: dict[str, Any], checkpoint_name: str | None) -> dict:
+        """Append the row for one report round (rank 0's metrics plus the run's counters)."""
+        assert self.attempt is not None
+        now = time.monotonic()
+        row = dict(metrics)
+        since_restore = now - self._attempt_t0
+        row.update(training_iteration=iteration,
+                   iterations_since_restore=iteration - self.attempt.resumed_iteration,
+                   time_total_s=self._time_base + since_restore, time_since_restore=since_restore,
+                   time_this_iter_s=now - self._last_report_t, timestamp=time.time(),
+                   attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
+        self._last_report_t = now
+        self.history.append(row)
+        self.callbacks.result(row)
+        return row
+
+    def commit_checkpoint(self, iteration: int, per_rank_files: list[list[FileEntry]],
+                          row: dict, name: str | None = None) -> Marker:
+        assert self.attempt is not None
+        self.history.sync()
+        marker = self.checkpoints.commit(iteration, self.attempt.number, per_rank_files, row, name)
+        self._sync_checkpoint_fields()
+        self.save_manifest()
+        self.lease.beat()
+        self.callbacks.checkpoint(marker)
+        return marker
+
+    def reported(self, metrics: list[dict[str, Any]], marker: Marker | None) -> None:
+        """A report round is recorded and its checkpoint (if any) committed: `metrics` holds
+        what each rank reported, in rank order (for V2's `UserCallback.after_report`)."""
+        self.callbacks.reported(metrics, marker)
+
+    def _sync_checkpoint_fields(self) -> None:
+        latest = self.checkpoints.latest
+        self.manifest.latest_checkpoint = latest.name if latest else None
+        self.manifest.best_checkpoints = [m.name for m in self.checkpoints.best()]

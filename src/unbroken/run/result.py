@@ -1,0 +1,108 @@
+"""Result: what a run produced, read from its directory (finished or not)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken.errors import TornCheckpointError, TrainingFailedError, UnknownMetricError
+from unbroken.store import commit, history, return_value
+from unbroken.store import manifest as mf
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.store.storage import Storage
+
+log = logging.getLogger("unbroken")
+
+
+@dataclass
+class Result:
+    """The last metrics, the latest checkpoint and the metric history of one run."""
+
+    metrics: dict[str, Any] | None
+    checkpoint: Checkpoint | None
+    error: BaseException | None
+    path: str
+    best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
+    status: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    # Every committed checkpoint with its row, oldest first (get_best_checkpoint ranks them).
+    checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list, repr=False)
+    # The attempt whose training function's return value `return_value` reads (0: none).
+    _returned_in: int = field(default=0, repr=False)
+
+    @property
+    def return_value(self) -> Any:
+        """What the training function returned on rank 0 (Ray Train V2), or None when it
+        returned nothing, or the run did not finish. Read on access: a value that is not plain
+        data was pickled, and reading it unpickles it (trust the run directory)."""
+        if not self._returned_in:
+            return None
+        return return_value.load(Storage.from_url(self.path), self._returned_in)
+
+    def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
+        """The committed checkpoint whose row has the highest (`mode="max"`) or lowest
+        (`"min"`) `metric`, the newest on a tie; None when the run has no checkpoint.
+        UnknownMetricError when no checkpoint's row has the metric."""
+        if mode not in ("max", "min"):
+            raise ValueError(f"get_best_checkpoint(mode=...) must be 'max' or 'min', got {mode!r}")
+        if not self.checkpoints:
+            return None
+        scored = [(c, m[metric]) for c, m in self.checkpoints
+                  if isinstance(m.get(metric), (int, float)) and not isinstance(m.get(metric), bool)]
+        if not scored:
+            raise UnknownMetricError(
+                f"no checkpoint of run {self.path!r} has a numeric metric {metric!r}. Hint: the rows "
+                f"of its checkpoints have: {', '.join(sorted(self.checkpoints[-1][1]))}")
+        sign = 1 if mode == "max" else -1
+        best = max(range(len(scored)), key=lambda i: (sign * scored[i][1], i))
+        return scored[best][0]
+
+    @property
+    def metrics_dataframe(self) -> Any:
+        """A pandas DataFrame with one row per training_iteration (built from `rows` on access)."""
+        return history.to_dataframe(self.rows)
+
+    @property
+    def filesystem(self) -> Any:
+        return Storage.from_url(self.path).fs
+
+    @classmethod
+    def from_path(cls, path: str, storage_filesystem: Any = None) -> Result:
+        """Read any run directory: metrics each iteration once, latest committed checkpoint."""
+        storage = Storage.from_url(path, storage_filesystem)
+        manifest = mf.load(storage)
+        rows = history.timeline(history.read_rows(storage))
+        markers = {}
+        names, _ = commit.scan(storage)
+        for name in names:
+            try:
+                markers[name] = commit.read_marker(storage, name)
+            except TornCheckpointError:
+                continue
+        fs = storage.filesystem_arg
+
+        def handle(name: str) -> Checkpoint:
+            return Checkpoint(storage.url(name), fs)
+
+        latest = max(markers.values(), key=lambda m: m.iteration, default=None)
+        error = None
+        if manifest.status in (mf.ERRORED, mf.INTERRUPTED):
+            summary = next((a.error for a in reversed(manifest.attempts) if a.error), manifest.status)
+            error = TrainingFailedError(f"run {storage.url()!r} is {manifest.status}: {summary}")
+        return cls(
+            metrics=dict(rows[-1]) if rows else None,
+            checkpoint=handle(latest.name) if latest else None,
+            error=error,
+            path=storage.url(),
+            best_checkpoints=[(handle(n), markers[n].metrics) for n in manifest.best_checkpoints
+                              if n in markers],
+            status=manifest.status,
+            rows=rows,
+            checkpoints=[(handle(n), m.metrics) for n, m in markers.items()],
+            _returned_in=manifest.attempt_count if manifest.status == mf.FINISHED else 0,
+        )
+
+    def __repr__(self) -> str:
+        return (f"Result(metrics={self.metrics!r}, checkpoint={self.checkpoint!r}, "
+                f"error={self.error!r}, path={self.path!r})")

@@ -1,0 +1,186 @@
+"""The sweep manifest, `<sweep>/.unbroken/sweep.json`: what the sweep is and where each
+trial stands.
+
+Like a run's manifest it is replaced atomically and carries a generation number; the
+previous generation is kept in `sweep.prev.json` and used, with a warning, when the newest
+one does not load. Only the sweep driver that holds the sweep's lease writes it.
+
+Each trial is an ordinary run directory `<sweep>/<trial name>/`; the manifest records the
+trial's stored search-space values (enough to rebuild its config), its status in the sweep
+and its searcher id. A trial's own run.json stays the authority on how far its run got.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from unbroken import __version__
+from unbroken.errors import CorruptRunError, NotASweepError, RunNotFoundError
+from unbroken.store.manifest import META_DIR, read_newest, versioned_fields, write_generation
+from unbroken.store.manifest import is_run_dir as is_run_dir
+from unbroken.store.storage import Storage
+
+log = logging.getLogger("unbroken")
+
+# 2: the pickled Tuner arguments are one file each under .unbroken/pickled/tuner/, and a Trainer
+# trainable's under .unbroken/pickled/trainable/; 1 kept them in two pickled dicts, tuner.pkl
+# and trainer.pkl (still read, only when needed and allowed).
+SCHEMA_VERSION = 2
+SWEEP_JSON = f"{META_DIR}/sweep.json"
+SWEEP_PREV_JSON = f"{META_DIR}/sweep.prev.json"
+TUNER_PICKLED = f"{META_DIR}/pickled/tuner"
+TRAINABLE_PICKLED = f"{META_DIR}/pickled/trainable"
+LEGACY_TUNER_PKL = f"{META_DIR}/tuner.pkl"
+LEGACY_TRAINER_PKL = f"{META_DIR}/trainer.pkl"
+RESTARTED_DIR = f"{META_DIR}/restarted"
+
+# Trial statuses (Ray Tune's names, plus INTERRUPTED for a trial stopped by a signal).
+PENDING, RUNNING, TERMINATED, ERROR, INTERRUPTED = "PENDING", "RUNNING", "TERMINATED", "ERROR", "INTERRUPTED"
+DONE = (TERMINATED, ERROR)
+UNFINISHED = (PENDING, RUNNING, INTERRUPTED)
+# Sweep statuses. INCOMPLETE: fit() ended with unfinished trials left unrun on purpose
+# (Tuner.restore(resume_unfinished=False)).
+SWEEP_RUNNING, SWEEP_FINISHED, SWEEP_INTERRUPTED, SWEEP_INCOMPLETE = (
+    "RUNNING", "FINISHED", "INTERRUPTED", "INCOMPLETE")
+
+
+@dataclass
+class TrialRecord:
+    """One trial of the sweep."""
+
+    index: int
+    name: str
+    values: dict[str, Any]             # stored search-space values by path (search_space.sample)
+    config: Any = None                 # the trial's config as JSON, for reading (objects by type)
+    status: str = PENDING
+    searcher_id: int | None = None     # e.g. the Optuna trial number
+    told: bool = False                 # the searcher has been told this trial's outcome
+    error: str | None = None
+    stopped_early: str | None = None   # why the scheduler stopped it (it is TERMINATED)
+    reruns: int = 0                    # times an errored trial was resumed or restarted
+    restarts: int = 0                  # times it was restarted from scratch (old dir kept aside)
+    started_at: float | None = None
+    ended_at: float | None = None
+
+
+@dataclass
+class SweepManifest:
+    """Contents of sweep.json; field names are the on-disk format (docs/sweeps.md)."""
+
+    name: str
+    seed: int
+    kind: str = "sweep"
+    status: str = SWEEP_RUNNING
+    seed_given: bool = False
+    identity: dict[str, Any] = field(default_factory=dict)
+    trainable: dict[str, Any] = field(default_factory=dict)  # kind, name, and a trainer's encoded fields
+    params: dict[str, Any] = field(default_factory=dict)     # JSON-encoded Tuner arguments
+    pickled_params: list[str] = field(default_factory=list)  # the ones pickled instead
+    searcher: dict[str, Any] = field(default_factory=dict)   # the search algorithm's description
+    scheduler: dict[str, Any] | None = None
+    num_samples: int = 1
+    max_concurrent_trials: int | None = None
+    total_trials: int = 0
+    trials: list[TrialRecord] = field(default_factory=list)
+    sweep_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = 0.0
+    generation: int = 0
+    schema_version: int = SCHEMA_VERSION
+    package_version: str = __version__
+
+    def to_bytes(self) -> bytes:
+        # Not sort_keys: configs keep the key order of the user's param_space.
+        return json.dumps(asdict(self), indent=1, default=repr).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> SweepManifest:
+        raw = json.loads(data)
+        if not isinstance(raw, dict) or raw.get("kind") != "sweep":
+            raise ValueError("not a sweep manifest")
+        raw = versioned_fields(raw, cls, SCHEMA_VERSION, f"sweep {where}", "sweep")
+        trial_fields = {f.name for f in fields(TrialRecord)}
+        raw["trials"] = [TrialRecord(**{k: v for k, v in t.items() if k in trial_fields})
+                         for t in raw.get("trials", [])]
+        return cls(**raw)
+
+    def trial(self, name: str) -> TrialRecord | None:
+        return next((t for t in self.trials if t.name == name), None)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.trials:
+            out[t.status] = out.get(t.status, 0) + 1
+        return out
+
+
+def trial_name(index: int) -> str:
+    return f"trial_{index:05d}"
+
+
+def is_sweep_dir(storage: Storage) -> bool:
+    """True if `storage` is a sweep root (it has a sweep manifest)."""
+    try:
+        return storage.exists(SWEEP_JSON) or storage.exists(SWEEP_PREV_JSON)
+    except OSError:
+        return False
+
+
+def load(storage: Storage) -> SweepManifest:
+    """The newest valid generation of the sweep manifest; a specific error if there is none."""
+    where = storage.url()
+    if not storage.exists():
+        raise RunNotFoundError(f"no sweep at {where!r}: the path does not exist. "
+                               "Hint: a sweep is <storage_path>/<RunConfig name>")
+    if not storage.isdir():
+        raise NotASweepError(f"{where!r} is a file, not a sweep directory. "
+                             "Hint: pass the sweep's directory, <storage_path>/<name>")
+    manifest, problems = read_newest(storage, (SWEEP_JSON, SWEEP_PREV_JSON), SweepManifest.from_bytes,
+                                     "sweep")
+    if manifest is not None:
+        return manifest
+    if all(p.endswith("is missing") for p in problems):
+        raise not_a_sweep(storage)
+    raise CorruptRunError(f"sweep {where!r} cannot be read: {'; '.join(problems)}. Hint: restore "
+                          "sweep.json from a backup; the trial directories are untouched")
+
+
+def not_a_sweep(storage: Storage) -> NotASweepError:
+    """The error for a path that exists but is not a sweep root, with the likely fix."""
+    where = storage.url()
+    parent = Storage(storage.fs, posixpath.dirname(storage.root.rstrip("/")) or "/")
+    if is_run_dir(storage):
+        if is_sweep_dir(parent):
+            return NotASweepError(
+                f"{where!r} is one trial of the sweep at {parent.url()!r}, not a sweep. Hint: "
+                f"Tuner.restore({parent.url()!r}, trainable) restores the sweep; "
+                f"DataParallelTrainer.restore({where!r}) restores this trial as a single run")
+        return NotASweepError(
+            f"{where!r} is a single run, not a sweep. Hint: restore it with its trainer class, e.g. "
+            f"TorchTrainer.restore({where!r}) or BaseTrainer.restore({where!r})")
+    return NotASweepError(f"{where!r} is not a sweep: it has no {SWEEP_JSON}. Hint: pass a sweep "
+                          "directory (<storage_path>/<name> of a Tuner), or start one with Tuner(...).fit()")
+
+
+def save(storage: Storage, manifest: SweepManifest, previous: bytes | None) -> bytes:
+    """Write a new generation; `previous` (the bytes last written) becomes the fallback."""
+    return write_generation(storage, (SWEEP_JSON, SWEEP_PREV_JSON), manifest, previous)
+
+
+def summarize(path: str, storage_filesystem: Any = None) -> dict[str, Any]:
+    """A brief, read-only summary of the sweep at `path` (for listings such as `unbroken ls`):
+    name, status, trial counts by status, and each trial's name, status and path."""
+    storage = Storage.from_url(path, storage_filesystem)
+    manifest = load(storage)
+    return {"name": manifest.name, "path": storage.url(), "kind": "sweep", "status": manifest.status,
+            "num_trials": len(manifest.trials), "total_trials": manifest.total_trials,
+            "counts": manifest.counts(), "updated_at": manifest.updated_at,
+            "trials": [{"name": t.name, "status": t.status, "path": storage.url(t.name),
+                        "config": t.config, "error": t.error, "stopped_early": t.stopped_early}
+                       for t in manifest.trials]}

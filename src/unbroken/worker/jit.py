@@ -1,0 +1,374 @@
+"""Just-in-time checkpoints: when a rank fails, a surviving rank saves the state of the last
+completed report round, so that the next attempt resumes there instead of at the last
+periodic checkpoint.
+
+Opt-in: `TrainState(..., jit_checkpoint=True, step_seed=1234)`. Data-parallel training keeps
+a replica of the model and optimizer on every rank, so any rank that is still alive holds the
+state a checkpoint of report k would hold, provided nothing has changed it since report k:
+
+1. Track (worker, every report k): the model's parameters and the optimizers' state are left
+   live; an optimizer step pre-hook marks the state dirty when a step begins, so a step in
+   flight is never half-saved. What changes before a step (model buffers such as BatchNorm
+   statistics in the forward pass, the loader position, the scheduler, plain values) is
+   copied at each report (`Tracker.snapshot`). Then every generator is re-seeded from
+   (step_seed, rank, k) (`seed_step`): the random draws after report k are a pure function of
+   the seed, so the random state of a rank that died is known without that rank.
+2. Arm (worker, once): the TrainState tells the driver it can save (`JitArmed`).
+3. Offer (worker, when its loop raises, e.g. a collective broken by a dead peer): the rank
+   sends `JitOffer(k)` when its state is clean since report k, else `JitOffer(None, why)`,
+   then its `Failed`, and waits for the driver's word (`JitSave`).
+4. Choose (driver, once the failure is final): the saver is the lowest rank with a valid
+   offer, where valid means that round k is complete (every rank reported k, so its metric
+   row is recorded) and newer than the latest committed checkpoint. A higher rank that
+   offers while a lower armed rank still runs is told not to save: its exit releases the
+   lower rank from any collective it is blocked in, which then offers in turn (rank 0's
+   plain values are the ones a periodic checkpoint holds). The driver waits for offers at
+   most `OFFER_WAIT_S` (a rank blocked for good, e.g. with a peer on a lost node, is not
+   waited for) and for the save at most `SAVE_WAIT_S` or until the saver dies.
+5. Save (the chosen rank): the random state of every rank from the seeded streams, then
+   `train_state.pt` from the live and copied state, into the staging area of checkpoint k
+   with the same helpers a report uses (`commit.staging_name`, `commit.write_rank_files`);
+   then `JitSaved(k, files)`.
+6. Commit (driver): checkpoint k through the normal commit protocol (marker last), with
+   round k's row as its metrics. What happened is kept in the attempt record
+   (`Attempt.jit_checkpoint`): the iteration saved and by which rank, or why none was.
+
+A saver killed while saving leaves an unmarked staging directory: the previous checkpoint
+stays the resume point and the next attempt removes the leftover. There is no just-in-time
+checkpoint, and the run falls back to the last periodic one, when a step began since the
+last report, when the model is sharded (FSDP2, tensor parallelism: no rank holds the whole
+state), or when no rank could offer in time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unbroken.core import faults
+from unbroken.errors import WorkerDied
+from unbroken.state.sample_seed import sample_seed, seed_generators
+from unbroken.store.commit import FileEntry, staging_name, write_rank_files
+from unbroken.worker.protocol import JitArmed, JitOffer, JitSave, JitSaved
+
+if TYPE_CHECKING:
+    from unbroken.worker.session import Session
+    from unbroken.worker.train_state import TrainState
+
+# How long the driver waits for the ranks still running to offer once the failure is final.
+OFFER_WAIT_S = 2.0
+# How long the driver waits for the chosen rank's save (less if that rank dies).
+SAVE_WAIT_S = 60.0
+# Keeps the step streams apart from the per-sample seeds of the same seed.
+_STREAM_SALT = 0x6A69745F73746570
+
+
+# -- random streams --------------------------------------------------------------------------------
+def seed_step(step_seed: int, rank: int, iteration: int, generators: dict[str, torch.Generator]) -> None:
+    """Seed this process's generators (python, numpy, torch CPU, the current CUDA device) and
+    the TrainState's torch.Generator extras for the steps after report `iteration` of `rank`."""
+    seed = sample_seed(step_seed ^ _STREAM_SALT, rank, iteration)
+    seed_generators(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed(seed)
+    for name, g in generators.items():
+        g.manual_seed(sample_seed(seed, zlib.crc32(name.encode()), 0))
+
+
+def _copy(value: Any) -> Any:
+    """`value` with its tensors cloned (on their device) and its containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _copy(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_copy(v) for v in value)
+    return value
+
+
+# -- worker side -----------------------------------------------------------------------------------
+class _Buffers:
+    """A module's buffers that its state_dict holds, copied at each report with one fused copy."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.where = [(sub, name, f"{prefix}.{name}" if prefix else name)
+                      for prefix, sub in module.named_modules() for name, b in sub._buffers.items()
+                      if b is not None and name not in sub._non_persistent_buffers_set]
+        self.copies: list[torch.Tensor | None] = [_copy(sub._buffers[name]) for sub, name, _ in self.where]
+
+    def snapshot(self) -> None:
+        live = [sub._buffers[name] for sub, name, _ in self.where]
+        if not live:
+            return
+        try:
+            torch._foreach_copy_(self.copies, live)
+        except (RuntimeError, TypeError):  # a buffer was replaced (another shape, device, None)
+            self.copies = [_copy(b) for b in live]
+
+    def overlay(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """`state_dict` with the buffers as they were at the last report."""
+        for (_, _, key), copy in zip(self.where, self.copies, strict=True):
+            if key in state_dict and copy is not None:
+                state_dict[key] = copy
+        return state_dict
+
+
+class Tracker:
+    """What a TrainState with `jit_checkpoint=True` keeps between reports to be able to save
+    the state of its last report after a failure (one per process: the latest one built)."""
+
+    def __init__(self, state: TrainState, step_seed: int, rank: int) -> None:
+        from unbroken.worker.train_state import _unwrap
+
+        self.state = state
+        self.step_seed = step_seed
+        self.rank = rank
+        self.iteration: int | None = None  # the report the copies are from
+        self.clean = False  # no optimizer step has begun since that report
+        self.buffers: dict[str, _Buffers] = {}
+        self.copied: dict[str, Any] = {}  # state_dicts of the objects neither modules nor optimizers
+        self.values: dict[str, Any] = {}
+        self.live: set[str] = set()
+        for name, obj in state._objects.items():
+            module = _unwrap(obj) if name == "model" else obj
+            if isinstance(module, torch.nn.Module):
+                self.buffers[name] = _Buffers(module)
+                self.live.add(name)
+            elif isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._step_began)
+                self.live.add(name)
+
+    def _step_began(self, *_: Any) -> None:
+        self.clean = False
+
+    def snapshot(self, iteration: int) -> None:
+        """Report `iteration` was sent: copy what changes before the next optimizer step."""
+        state = self.state
+        for buffers in self.buffers.values():
+            buffers.snapshot()
+        self.copied = {name: _copy(obj.state_dict()) for name, obj in state._objects.items()
+                       if name not in self.live}
+        self.values = _copy(state._values)
+        self.iteration = iteration
+        self.clean = True
+
+    def after_report(self, iteration: int) -> None:
+        """Called by the session after every report: copy, then start the next steps' streams."""
+        self.snapshot(iteration)
+        seed_step(self.step_seed, self.rank, iteration, self.state._generators)
+
+    def problem(self, iteration: int) -> str | None:
+        """Why this rank cannot save checkpoint `iteration` (its last report), or None."""
+        if self.iteration != iteration:
+            return f"report {iteration} did not complete on this rank"
+        if not self.clean:
+            return f"an optimizer step began after report {iteration}"
+        if self.state.sharded_names():
+            return "the model is sharded (FSDP2 or tensor parallel): no rank holds all of it"
+        return None
+
+    def state_dicts(self) -> dict[str, Any]:
+        """Every object's state_dict as it was at the last report."""
+        from unbroken.worker.train_state import _unwrap
+
+        out = {}
+        for name, obj in self.state._objects.items():
+            if name in self.buffers:
+                module = _unwrap(obj) if name == "model" else obj
+                out[name] = self.buffers[name].overlay(module.state_dict())
+            elif name in self.live:
+                out[name] = obj.state_dict()
+            else:
+                out[name] = self.copied[name]
+        return out
+
+
+def arm(state: TrainState, step_seed: int) -> None:
+    """Inside a run: track `state` for just-in-time checkpoints in this rank (the session calls
+    it after every report) and tell the driver. The latest TrainState armed is the one saved."""
+    from unbroken.worker import session as session_mod
+
+    session = session_mod._current
+    if session is None:
+        return
+    first = session.jit is None
+    session.jit = Tracker(state, step_seed, session.info.world_rank)
+    if first:
+        session.send(JitArmed())
+
+
+def offer(session: Session) -> bool:
+    """The loop failed: offer the driver a just-in-time checkpoint of the last report (or say
+    why not) when a TrainState is armed. Returns whether an offer was sent."""
+    tracker = session.jit
+    if tracker is None:
+        return False
+    iteration = session.iteration
+    if iteration <= session.info.start_iteration:
+        why: str | None = "no report since the attempt began"
+    else:
+        why = tracker.problem(iteration)
+    session.send(JitOffer(None if why else iteration, why or ""))
+    return True
+
+
+def save_if_asked(session: Session) -> None:
+    """Wait for the driver's word on this rank's offer and save when it says so."""
+    message = session.channel.recv()
+    while not isinstance(message, JitSave):  # skip the reply to the last report, and the like
+        message = session.channel.recv()
+    if message.iteration is None or session.jit is None:
+        return
+    try:
+        files = save(session, session.jit, message.iteration)
+    except Exception as e:  # noqa: BLE001 - the driver falls back and says why
+        session.send(JitSaved(message.iteration, None, f"{type(e).__name__}: {e}"))
+        return
+    session.send(JitSaved(message.iteration, files))
+
+
+def save(session: Session, tracker: Tracker, iteration: int) -> list[FileEntry]:
+    """Stage checkpoint `iteration` from this rank: every rank's random state, then
+    `train_state.pt`. Returns the files staged."""
+    info = session.info
+    staging = staging_name(iteration, info.attempt, info.storage)
+    with tempfile.TemporaryDirectory(prefix="unbroken-jit-") as d:
+        rng_dir, state_dir = os.path.join(d, "rng"), os.path.join(d, "state")
+        os.makedirs(rng_dir)
+        os.makedirs(state_dir)
+        _write_rng_files(rng_dir, tracker, iteration, info.world_size)
+        files = write_rank_files(info.storage, staging, rng_dir, info.world_rank)
+        faults.point("during_jit_save")
+        _write_state_file(state_dir, tracker, info.world_size)
+        files += write_rank_files(info.storage, staging, state_dir, info.world_rank)
+    return files
+
+
+def _write_rng_files(directory: str, tracker: Tracker, iteration: int, world_size: int) -> None:
+    """Each rank's generators as its stream after report `iteration` left them."""
+    from unbroken.worker.train_state import capture_rng, restore_rng, rng_file
+
+    generators = tracker.state._generators
+    mine = capture_rng(), {name: g.get_state() for name, g in generators.items()}
+    try:
+        for rank in range(world_size):
+            seed_step(tracker.step_seed, rank, iteration, generators)
+            rng = capture_rng()
+            rng["generators"] = {name: g.get_state() for name, g in generators.items()}
+            torch.save(rng, os.path.join(directory, rng_file(rank)))
+    finally:
+        restore_rng(mine[0])
+        for name, g in generators.items():
+            g.set_state(mine[1][name])
+
+
+def _write_state_file(directory: str, tracker: Tracker, world_size: int) -> None:
+    """`train_state.pt` as the checkpoint of the last report would hold it."""
+    from unbroken.worker.train_state import FORMAT_VERSION, STATE_FILE
+
+    payload = {"format": FORMAT_VERSION, "world_size": world_size, "torch_version": str(torch.__version__),
+               "state_dicts": tracker.state_dicts(), "values": tracker.values}
+    torch.save(payload, os.path.join(directory, STATE_FILE))
+
+
+# -- driver side -----------------------------------------------------------------------------------
+class Coordinator:
+    """The driver's side for one attempt: which ranks are armed, their offers, the saver."""
+
+    def __init__(self) -> None:
+        self.armed: set[int] = set()
+        self.offers: dict[int, JitOffer] = {}
+        self.answered: set[int] = set()
+        self.dead: set[int] = set()
+        self.saver: int | None = None
+        self.saved: JitSaved | None = None
+        self.reasons: list[str] = []  # why ranks could not save, for the attempt record
+        self.closed = False
+
+    def take(self, group: Any, rank: int, message: Any) -> None:
+        """A JIT message from `rank` (JitArmed, JitOffer, JitSaved)."""
+        if isinstance(message, JitArmed):
+            self.armed.add(rank)
+        elif isinstance(message, JitOffer):
+            self.offers[rank] = message
+            if message.iteration is None:
+                self.reasons.append(f"rank {rank}: {message.reason}")
+            if self.closed or message.iteration is None:
+                self._answer(group, rank, None)
+        elif isinstance(message, JitSaved) and rank == self.saver:
+            self.saved = message
+
+    def _answer(self, group: Any, rank: int, iteration: int | None) -> None:
+        if rank not in self.answered:
+            self.answered.add(rank)
+            group.send(rank, JitSave(iteration))
+
+    def choose(self, group: Any, target: int | None, running: set[int]) -> None:
+        """Pick the saver among the offers of checkpoint `target`, or release the offering
+        ranks: the lowest valid offer wins once no lower armed rank is still `running`."""
+        for rank in sorted(self.offers):
+            offer = self.offers[rank]
+            if rank in self.answered or offer.iteration is None:
+                continue
+            if self.saver is not None or offer.iteration != target:
+                if target is not None and offer.iteration != target:
+                    self.reasons.append(f"rank {rank}: its round {offer.iteration} is not complete")
+                self._answer(group, rank, None)
+            elif any(r < rank for r in running & self.armed):
+                self._answer(group, rank, None)  # exiting releases the lower ranks blocked with it
+            else:
+                self.saver = rank
+                self._answer(group, rank, target)
+
+    def waiting_for(self, running: set[int]) -> str | None:
+        """What the driver still waits for ("offers", "save"), or None when it is settled."""
+        if self.saver is not None:
+            return None if self.saved is not None or self.saver in self.dead else "save"
+        return "offers" if running & self.armed else None
+
+    def close(self, group: Any) -> None:
+        """Settled: every rank still waiting for a word is told not to save."""
+        self.closed = True
+        for rank in self.offers:
+            self._answer(group, rank, None)
+
+
+def settle(coordinator: Coordinator, group: Any, target: int | None, running: Callable[[], set[int]],
+           events: Callable[[float], Iterator[tuple[int, Any]]]) -> JitSaved | None:
+    """Run steps 4 and 5 from the driver: choose a saver for checkpoint `target`, wait (within
+    the bounds) for its save, and return what it staged (None: no checkpoint, see `reasons`).
+    `running()`: the ranks that may still offer; `events(timeout)`: the group's next events,
+    each already taken by the controller."""
+    start = time.monotonic()
+    while True:
+        coordinator.choose(group, target, running())
+        waiting = coordinator.waiting_for(running())
+        if waiting is None:
+            break
+        limit = start + (OFFER_WAIT_S if waiting == "offers" else SAVE_WAIT_S)
+        left = limit - time.monotonic()
+        if left <= 0:
+            coordinator.reasons.append(
+                f"no rank offered within {OFFER_WAIT_S:g} s (ranks {sorted(running() & coordinator.armed)} "
+                "still running, perhaps blocked in a collective)" if waiting == "offers" else
+                f"rank {coordinator.saver} did not finish saving within {SAVE_WAIT_S:g} s")
+            break
+        for rank, message in events(min(left, 0.5)):
+            if isinstance(message, WorkerDied):
+                coordinator.dead.add(rank)
+                if rank == coordinator.saver and coordinator.saved is None:
+                    coordinator.reasons.append(f"rank {rank} died while saving")
+    coordinator.close(group)
+    saved = coordinator.saved
+    if saved is not None and saved.files is None:
+        coordinator.reasons.append(f"rank {coordinator.saver} could not save: {saved.error}")
+        return None
+    return saved

@@ -1,0 +1,161 @@
+"""The messages between the driver and its workers, and between a sweep driver and its trials.
+
+Small records (treat them as immutable), the same on every engine. A worker sends
+`Report`s, rank 0 one `Rendezvous` during set-up, a `Staged` when the files of an
+asynchronous save are durable, and ends with `Done` or `Failed`; the driver answers every
+complete round with a `Reply`, forwards rank 0's `Rendezvous` to the other ranks, and says
+`Committed` when an asynchronous save is committed (see `async_save`). With just-in-time
+checkpoints a rank says `JitArmed` once, a failing rank sends `JitOffer` before its `Failed`
+and waits for the driver's `JitSave`, and the chosen rank answers with `JitSaved` (see
+`jit_checkpoint`). A trial's process
+ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message travels (a pipe,
+a socket) is the engine's business; what it means is here, and `to_wire` / `from_wire` give
+an engine a cheap form to send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from unbroken.store.commit import FileEntry
+
+
+@dataclass(slots=True)
+class Report:
+    """A rank's report N: its metrics, the files it staged for checkpoint N (if any), and
+    the checkpoint directory name it gave with them (None: the default name). `pending`: this
+    rank's files for checkpoint N are being written in the background; a `Staged` follows."""
+
+    iteration: int
+    metrics: dict[str, Any]
+    files: list[FileEntry] | None = None
+    name: str | None = None
+    pending: bool = False
+
+
+@dataclass(slots=True)
+class Reply:
+    """The driver's answer to a complete round, the same for every rank: stop at the next
+    report, and/or checkpoint at it (a preemption)."""
+
+    stop: bool = False
+    checkpoint: bool = False
+
+
+@dataclass(slots=True)
+class Rendezvous:
+    """A value rank 0 shares with every rank during set-up (e.g. the process group's port)."""
+
+    value: Any
+
+
+@dataclass(slots=True)
+class Done:
+    """The worker's loop ended normally after `reports` reports."""
+
+    reports: int
+
+
+@dataclass(slots=True)
+class Failed:
+    """The worker's loop raised: the traceback text and the cloudpickled exception (None when
+    it does not pickle)."""
+
+    traceback: str
+    error: bytes | None = None
+
+
+@dataclass(slots=True)
+class Staged:
+    """The files of this rank's asynchronous save for checkpoint `iteration` are durable in
+    the staging area (sent after its `Report`, before any later `Staged` of this rank)."""
+
+    iteration: int
+    files: list[FileEntry]
+
+
+@dataclass(slots=True)
+class Committed:
+    """The driver committed the asynchronous checkpoint of report `iteration`."""
+
+    iteration: int
+
+
+@dataclass(slots=True)
+class JitArmed:
+    """This rank's TrainState can save a just-in-time checkpoint (see `jit_checkpoint`)."""
+
+
+@dataclass(slots=True)
+class JitOffer:
+    """This rank's loop failed; it can save checkpoint `iteration` just in time (None: it
+    cannot, for `reason`). Sent before its `Failed`; the rank then waits for a `JitSave`."""
+
+    iteration: int | None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class JitSave:
+    """The driver's word to a rank that offered: save checkpoint `iteration` (None: do not)."""
+
+    iteration: int | None
+
+
+@dataclass(slots=True)
+class JitSaved:
+    """The just-in-time checkpoint `iteration` is staged (`files`), or could not be (`error`)."""
+
+    iteration: int
+    files: list[FileEntry] | None
+    error: str = ""
+
+
+JIT_MESSAGES = (JitArmed, JitOffer, JitSaved)
+WorkerMessage = Union[Report, Rendezvous, Staged, JitArmed, JitOffer, JitSaved, Done, Failed]
+Outcome = Union[Done, Failed]
+
+
+@dataclass(slots=True)
+class TrialDone:
+    """A trial's run ended with this run status (FINISHED, or ERRORED within the run)."""
+
+    status: str
+
+
+@dataclass(slots=True)
+class TrialInterrupted:
+    """A trial's run was interrupted by a signal; `reason` is the first line of the error."""
+
+    reason: str
+
+
+@dataclass(slots=True)
+class TrialFailed:
+    """A trial's process raised: the exception's type name, a one-line summary, the traceback."""
+
+    kind: str
+    summary: str
+    traceback: str
+
+
+TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
+
+
+# -- on the wire --------------------------------------------------------------------------------
+_KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
+                            TrialFailed, Staged, Committed, JitArmed, JitOffer, JitSave, JitSaved)
+_TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
+
+
+def to_wire(message: Any) -> tuple:
+    """The message as a plain tuple (its kind's tag, then its fields): an engine that pickles
+    messages sends this, because pickling a class reference costs more than the rest of a
+    report (it imports the module by name on every dump)."""
+    return (_TAG[type(message)], *map(message.__getattribute__, message.__slots__))
+
+
+def from_wire(data: tuple) -> Any:
+    """The message `to_wire` made `data` from."""
+    return _KINDS[data[0]](*data[1:])

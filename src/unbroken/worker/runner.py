@@ -1,0 +1,115 @@
+"""A worker's body, the same on every engine: set up, run the trainer's training loop, say
+how it ended.
+
+`run_worker(payload, channel)` is all an engine runs in a rank; it never ignores signals,
+ties its life to a parent or exits the process (a long-lived worker of another engine must
+outlive it). Those process-level concerns belong to the engine's own wrapper, e.g.
+`engine.local.worker_process`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from unbroken.errors import StorageNotSharedError
+from unbroken.execution.engine.base import Channel
+from unbroken.worker import jit as jit_checkpoint
+from unbroken.worker import session as session_mod
+from unbroken.worker.protocol import Done, Failed, Outcome, Rendezvous
+from unbroken.worker.session import Session, StopTraining, WorkerInfo
+
+
+@dataclass
+class WorkerPayload:
+    info: WorkerInfo
+    trainer: Any
+
+
+def _set_up(info: WorkerInfo) -> None:
+    os.environ.update(info.env)
+    os.environ.update(RANK=str(info.world_rank), WORLD_SIZE=str(info.world_size),
+                      LOCAL_RANK=str(info.local_rank), LOCAL_WORLD_SIZE=str(info.local_world_size),
+                      NODE_RANK=str(info.node_rank), OMP_NUM_THREADS=str(info.cpus))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(info.cpus)
+    if not info.storage.is_local:
+        # An async filesystem (s3fs, gcsfs) inherited through fork is tied to the driver's event
+        # loop; a pickle round trip gives this process its own instance.
+        info.storage, info.checkpoint = cloudpickle.loads(cloudpickle.dumps((info.storage, info.checkpoint)))
+
+
+PROBE = ".unbroken/probe"
+
+
+def check_storage_shared(info: WorkerInfo) -> None:
+    """Fail before training when this rank does not see the probe the driver wrote into the
+    run directory: a storage path that is not shared by every node (a local disk path on a
+    cluster) would scatter the run's checkpoints over the nodes."""
+    try:
+        seen = info.storage.read_bytes(PROBE).decode()
+    except (OSError, ValueError) as e:
+        seen = f"nothing ({type(e).__name__})"
+    if seen != info.probe:
+        raise StorageNotSharedError(
+            f"rank {info.world_rank} on node {info.node_address} ({info.node_id}) does not see the run "
+            f"directory {info.storage.url()!r} the driver wrote: its probe file {PROBE} holds {seen!r} "
+            "there. Hint: every node must see the same storage at the same path: a shared file "
+            "system (NFS) mounted at the same place, or an object store (s3://...) for "
+            "RunConfig(storage_path=...)")
+
+
+def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
+    """Run one rank's part of an attempt; sends the outcome (Done or Failed) to the driver as
+    the last message, and returns it."""
+    info, trainer = payload.info, payload.trainer
+    _set_up(info)
+    session = Session(info, channel, getattr(trainer, "datasets", None))
+    session_mod.install(session)
+    backend = trainer._backend()
+
+    def rendezvous(value: Any) -> Any:
+        if info.world_rank == 0:
+            channel.send(Rendezvous(value))
+            return value
+        message = channel.recv()
+        assert isinstance(message, Rendezvous), message
+        return message.value
+
+    outcome: Outcome
+    try:
+        try:
+            if info.probe is not None:
+                check_storage_shared(info)
+            backend.on_start(session, rendezvous)
+            try:
+                trainer.training_loop()
+            except StopTraining:
+                pass
+            outcome = Done(session.finish())
+        except BaseException as e:  # noqa: BLE001 - everything is reported to the driver
+            session.drain()
+            try:
+                blob = cloudpickle.dumps(e)
+            except Exception:
+                blob = None
+            outcome = Failed(traceback.format_exc(), blob)
+        try:
+            offered = isinstance(outcome, Failed) and jit_checkpoint.offer(session)
+            channel.send(outcome)
+            if offered:
+                jit_checkpoint.save_if_asked(session)  # the last report's state, if the driver says so
+        except (OSError, EOFError):
+            pass  # the driver is gone
+    finally:
+        try:
+            backend.on_shutdown(session)
+        except Exception:
+            pass
+        session_mod.install(None)
+    return outcome

@@ -1,0 +1,393 @@
+"""The worker side of a run: what `train.report`, `train.get_checkpoint`,
+`train.get_context` and `train.get_dataset_shard` talk to inside a worker process.
+
+`report` is collective and pipelined: a rank sends report N and continues; before
+report N+1 (or a `should_checkpoint()` query) it takes the driver's reply to report N,
+which the driver sends once every rank has reported N. So every rank sees the same
+decisions (checkpoint now, stop) at the same report, and the report path costs one
+message each way with no polling. A report with an asynchronous save writes its files in
+the background (`async_save`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import pickle
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from unbroken.core import faults
+from unbroken.errors import TornCheckpointError
+from unbroken.store import return_value
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.store.commit import (
+    check_name_free,
+    read_marker,
+    scan,
+    staging_name,
+    write_rank_files,
+)
+from unbroken.store.history import check_json_metrics
+from unbroken.store.storage import Storage, split_run_url
+from unbroken.worker.async_save import BackgroundSave, stage_job
+from unbroken.worker.protocol import Committed, Reply, Report
+from unbroken.worker.report_config import ReportedCheckpoint
+
+if TYPE_CHECKING:
+    from unbroken.execution.engine.base import Channel
+    from unbroken.worker.jit import Tracker
+
+
+log = logging.getLogger("unbroken")
+
+NO_REPLY = Reply()
+
+
+class StopTraining(BaseException):
+    """Raised inside a worker's loop at a report when the driver stops the run.
+
+    A BaseException so that a user's `except Exception` does not swallow it.
+    """
+
+
+@dataclass
+class WorkerInfo:
+    """Everything a worker needs to know about its place in the run."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    experiment_name: str
+    run_path: str
+    storage: Storage
+    attempt: int
+    start_iteration: int
+    checkpoint: Checkpoint | None
+    storage_path: str
+    cpus: int = 1
+    use_gpu: bool = False
+    trial_name: str | None = None
+    trial_id: str | None = None
+    trial_dir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    node_id: str = ""                 # the engine's name for this rank's machine
+    node_address: str = "127.0.0.1"   # where the other ranks reach this rank's machine
+    probe: str | None = None          # the token the driver wrote for `engine.worker` to check
+
+
+class TrainContext:
+    """What `train.get_context()` returns: this worker's rank, sizes, run and attempt."""
+
+    def __init__(self, info: WorkerInfo, session: Session) -> None:
+        self._info = info
+        self._session = session
+
+    world_rank = property(lambda self: self._info.world_rank)
+    world_size = property(lambda self: self._info.world_size)
+    local_rank = property(lambda self: self._info.local_rank)
+    local_world_size = property(lambda self: self._info.local_world_size)
+    node_rank = property(lambda self: self._info.node_rank)
+    experiment_name = property(lambda self: self._info.experiment_name)
+    storage_path = property(lambda self: self._info.storage_path)
+    run_path = property(lambda self: self._info.run_path)
+    attempt = property(lambda self: self._info.attempt)
+    trial_name = property(lambda self: self._info.trial_name)
+    trial_id = property(lambda self: self._info.trial_id)
+
+    # Ray Train spellings, so ported scripts keep working.
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self.experiment_name
+
+    def get_trial_name(self) -> str | None:
+        return self.trial_name
+
+    def get_trial_id(self) -> str | None:
+        return self.trial_id
+
+    def get_storage_path(self) -> str:
+        return self.storage_path
+
+    def get_attempt(self) -> int:
+        return self.attempt
+
+    def get_storage(self) -> StorageContext:
+        """Where the run lives: its storage root, filesystem and directory (Ray Train V2)."""
+        storage = self._info.storage
+        return StorageContext(storage_path=self.storage_path, experiment_dir_name=self.experiment_name,
+                              storage_filesystem=storage.fs, experiment_fs_path=storage.path(),
+                              storage_fs_path=split_run_url(storage.path())[0])
+
+    def should_checkpoint(self) -> bool:
+        """True when the driver asks for a checkpoint at this report (e.g. on preemption).
+
+        Every rank gets the same answer for the same report.
+        """
+        return self._session.should_checkpoint()
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """What `train.get_context().get_storage()` returns: the storage root as configured
+    (`storage_path`), the run's directory name in it (`experiment_dir_name`), the fsspec
+    filesystem, and the root and the run directory as paths on that filesystem. Write your
+    own files elsewhere than the run directory: its contents belong to unbroken."""
+
+    storage_path: str
+    experiment_dir_name: str
+    storage_filesystem: Any
+    storage_fs_path: str
+    experiment_fs_path: str
+
+
+class Session:
+    """One worker's connection to the driver."""
+
+    def __init__(self, info: WorkerInfo, channel: Channel, datasets: dict[str, Any] | None) -> None:
+        self.info = info
+        self.channel = channel
+        self.datasets = datasets or {}
+        self.iteration = info.start_iteration
+        self.reports = 0
+        self._awaiting_reply = False
+        self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
+        self.context = TrainContext(info, self)
+        self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
+        self.saver = BackgroundSave()  # this rank's asynchronous save in flight
+        self._send_lock = threading.Lock()  # the saver's thread sends too
+        self._saved_async = 0  # the iteration of this rank's latest asynchronous save
+        self._committed_async = 0  # the latest one the driver said it committed
+        self._async_names: set[str] = set()  # the names this rank gave its asynchronous saves
+
+    def send(self, message: Any) -> None:
+        with self._send_lock:
+            self.channel.send(message)
+
+    def _recv(self) -> Any:
+        """The driver's next message but `Committed`, which is noted on the way."""
+        while True:
+            message = self.channel.recv()
+            if not isinstance(message, Committed):
+                return message
+            self._committed_async = max(self._committed_async, message.iteration)
+
+    def _take_reply(self) -> None:
+        if self._awaiting_reply:
+            reply = self._recv()
+            assert isinstance(reply, Reply), reply
+            self._reply = reply
+            self._awaiting_reply = False
+        if self._reply.stop:
+            raise StopTraining()
+
+    def should_checkpoint(self) -> bool:
+        self._take_reply()
+        return self._reply.checkpoint
+
+    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
+               name: str | None = None, delete_local: bool = False, asynchronous: bool = False) -> None:
+        """Send this rank's report; with `checkpoint`, stage its files first (under the
+        checkpoint directory `name` when given, checked by `commit.check_custom_name`) and
+        then, with `delete_local`, delete the local directory. `asynchronous`: stage them in
+        the background instead (the directory must stay as it is until then, unless
+        `delete_local`: then it is moved aside at once and deleted once staged)."""
+        check_json_metrics(metrics)
+        self._take_reply()  # from here on, every earlier report's synchronous checkpoint is committed
+        self.saver.check()
+        iteration = self.iteration + 1
+        files = None
+        if checkpoint is not None and asynchronous:
+            self._check_local(checkpoint)
+            directory = _move_aside(checkpoint.path, iteration) if delete_local else checkpoint.path
+            job = self._background_job(iteration, name, lambda: (directory, delete_local))
+            self._send_report(Report(iteration, metrics, None, name, pending=True), job)
+            return
+        if checkpoint is not None:
+            self._check_local(checkpoint)
+            storage = self.info.storage
+            if name is not None:
+                check_name_free(storage, name, self._async_names)
+            staging = staging_name(iteration, self.info.attempt, storage, name)
+            files = write_rank_files(storage, staging, checkpoint.path, self.info.world_rank)
+            if delete_local:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
+        self._send_report(Report(iteration, metrics, files, name if files is not None else None))
+
+    def report_async(self, metrics: dict[str, Any], produce: Callable[[], tuple[str, bool]]) -> None:
+        """Report with a checkpoint that is written in the background: `produce()`, called in
+        the saver's thread, returns the local directory of this rank's files and whether to
+        delete it once they are staged. The caller has already snapshotted what it saves."""
+        check_json_metrics(metrics)
+        self._take_reply()
+        self.saver.check()
+        iteration = self.iteration + 1
+        job = self._background_job(iteration, None, produce)
+        self._send_report(Report(iteration, metrics, None, None, pending=True), job)
+
+    @staticmethod
+    def _check_local(checkpoint: Any) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError("train.report(checkpoint=...) needs a Checkpoint, e.g. "
+                            "Checkpoint.from_directory(path)")
+        if not checkpoint.is_local:
+            raise ValueError(f"train.report needs a checkpoint in a local directory, got "
+                             f"{checkpoint.path}. Hint: write the files to a temporary "
+                             "directory and pass Checkpoint.from_directory(it)")
+
+    def _background_job(self, iteration: int, name: str | None,
+                        produce: Callable[[], tuple[str, bool]]) -> Callable[[], None]:
+        """The save of report `iteration`, to start once the report is sent; first waits for
+        this rank's previous save to be durable (one in flight)."""
+        self.saver.wait()
+        storage = self.info.storage
+        if name is not None:
+            check_name_free(storage, name, self._async_names)  # the driver may not have committed them yet
+            self._async_names.add(name)
+        staging = staging_name(iteration, self.info.attempt, storage, name)
+        return stage_job(storage, staging, iteration, self.info.world_rank, produce, self.send)
+
+    def _send_report(self, report: Report, save: Callable[[], None] | None = None) -> None:
+        """Send `report`, then start its background `save` (its `Staged` must follow it)."""
+        asked = self._reply.checkpoint
+        iteration = report.iteration
+        self.send(report)
+        if save is not None:
+            self.saver.start(save)
+            self._saved_async = iteration
+        faults.point("after_report")
+        self.iteration = iteration
+        self.reports += 1
+        if self.jit is not None:
+            self.jit.after_report(iteration)
+        self._awaiting_reply = True
+        self._reply = NO_REPLY
+        if asked:
+            # The driver asked for this checkpoint (preemption): take its verdict now, so that a
+            # stop ends the loop right after the commit instead of after one more iteration.
+            self._take_reply()
+
+    def finish(self) -> int:
+        """Wait for the driver to have processed the last report, and for this rank's save in
+        flight; returns how many reports this rank made (its `Done`)."""
+        try:
+            self._take_reply()
+        except StopTraining:
+            pass
+        self.saver.wait()
+        return self.reports
+
+    def drain(self) -> None:
+        """The loop failed: let the save in flight finish (the driver commits it if every rank's
+        files arrive), so that a failure costs no more than the work since that save."""
+        try:
+            self.saver.wait()
+        except BaseException as e:  # noqa: BLE001 - the loop's own error is the one to report
+            log.warning("rank %d: its checkpoint save in the background failed too: %s",
+                        self.info.world_rank, e)
+
+    def get_checkpoint(self) -> Checkpoint | None:
+        return self.info.checkpoint
+
+    def reported_checkpoints(self) -> list[ReportedCheckpoint]:
+        """The run's committed checkpoints, oldest first, once the checkpoint of this rank's
+        latest report is committed (the driver's reply to it says so, or its `Committed` for an
+        asynchronous save)."""
+        self._take_reply()
+        self.saver.wait()
+        while self._committed_async < self._saved_async:
+            message = self.channel.recv()
+            assert isinstance(message, Committed), message
+            self._committed_async = message.iteration
+        storage = self.info.storage
+        out = []
+        for name in scan(storage)[0]:
+            try:
+                marker = read_marker(storage, name)
+            except TornCheckpointError:
+                continue
+            out.append(ReportedCheckpoint(Checkpoint(storage.url(name), storage.filesystem_arg),
+                                          marker.metrics))
+        return out
+
+    def save_return_value(self, value: Any) -> None:
+        """Keep what rank 0's training function returned, for `Result.return_value`."""
+        if self.info.world_rank != 0 or value is None:
+            return  # None is what a Result reads when the finishing attempt wrote nothing
+        try:
+            return_value.save(self.info.storage, self.info.attempt, value)
+        except (TypeError, AttributeError, pickle.PicklingError) as e:
+            log.warning("the training function's return value (%s) cannot be saved (%s); "
+                        "Result.return_value will be None", type(value).__name__, e)
+
+    def get_dataset_shard(self, name: str) -> Any:
+        if name not in self.datasets:
+            raise KeyError(f"no dataset named {name!r}; the trainer has: {sorted(self.datasets)}. "
+                           "Hint: pass datasets={name: ...} to the trainer")
+        return shard(self.datasets[name], self.info.world_rank, self.info.world_size)
+
+
+def _move_aside(path: str, iteration: int) -> str:
+    """Take over a reported directory that is to be deleted anyway: a rename, so that the caller
+    may delete or reuse the path at once while the files are staged from the new one."""
+    aside = f"{path.rstrip(os.sep)}.unbroken-save-{iteration}"
+    os.rename(path, aside)
+    return aside
+
+
+def is_dataset_builder(obj: Any) -> bool:
+    """A zero-argument function or class that builds a dataset (saved with the run, and called
+    in each worker) rather than a dataset itself (never saved)."""
+    return inspect.isfunction(obj) or isinstance(obj, type)
+
+
+def shard(dataset: Any, rank: int, world_size: int) -> Any:
+    """This rank's part of a dataset: every world_size-th item starting at rank."""
+    if is_dataset_builder(dataset):
+        dataset = dataset()
+    indices = range(rank, len(dataset), world_size)
+    if isinstance(dataset, (list, tuple)):
+        return type(dataset)(dataset[i] for i in indices)
+    try:
+        from torch.utils.data import Dataset, Subset
+    except ImportError:  # pragma: no cover - torch is optional for DataParallelTrainer
+        return [dataset[i] for i in indices]
+    if isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__"):
+        return Subset(dataset, list(indices))
+    return [dataset[i] for i in indices]
+
+
+_current: Session | None = None
+
+
+def install(session: Session | None) -> None:
+    global _current
+    _current = session
+
+
+def current(what: str) -> Session:
+    if _current is None:
+        raise RuntimeError(f"{what} can only be called inside a training function run by a "
+                           "trainer's fit(). Hint: call it from train_loop_per_worker")
+    return _current
+

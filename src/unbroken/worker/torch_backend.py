@@ -1,0 +1,353 @@
+"""torch.distributed for TorchTrainer: the process group, and the helpers that put a model
+and a DataLoader on it (prepare_model, prepare_data_loader, get_device).
+
+prepare_data_loader makes a DataLoader resumable: a seeded global sample order per epoch,
+shared out among the ranks (unbroken.state.sampler), with its position saved by TrainState, and
+optionally per-sample seeding of the randomness in `__getitem__` (unbroken.state.sample_seed)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from unbroken.state.sample_seed import KeyedSampler, SeededDataset, sample_seed
+from unbroken.state.sampler import ResumableSampler
+from unbroken.worker import session as session_mod
+from unbroken.worker.backend import Backend, RendezvousFn
+from unbroken.worker.session import Session
+
+
+@dataclass
+class TorchConfig:
+    """The torch.distributed process group each worker joins ("gloo" on CPU, "nccl" on GPU)."""
+
+    backend: Literal["gloo", "nccl"] | None = None
+    timeout_s: int = 1800
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"TorchConfig.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+
+    def make_backend(self) -> TorchBackend:
+        return TorchBackend(self)
+
+
+class TorchBackend(Backend):
+    def __init__(self, config: TorchConfig) -> None:
+        self.config = config
+
+    def on_start(self, session: Session, rendezvous: RendezvousFn) -> None:
+        info = session.info
+        if info.use_gpu and torch.cuda.is_available():
+            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        if info.world_size == 1:
+            return
+        backend = self.config.backend or ("nccl" if info.use_gpu else "gloo")
+        timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        # Rank 0 binds a free port itself and tells the others where it is, on its node's
+        # address: no port race on a busy machine.
+        if info.world_rank == 0:
+            store = dist.TCPStore(info.node_address, 0, info.world_size, is_master=True,
+                                  timeout=timeout, wait_for_workers=False)
+            host, port = rendezvous((info.node_address, store.port))
+        else:
+            host, port = rendezvous(None)
+            store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+        dist.init_process_group(backend, store=store, rank=info.world_rank,
+                                world_size=info.world_size, timeout=timeout)
+
+    def on_shutdown(self, session: Session) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def get_device() -> torch.device:
+    """This worker's device: its GPU when the run uses GPUs, else the CPU."""
+    info = session_mod.current("get_device()").info
+    if info.use_gpu and torch.cuda.is_available():
+        return torch.device("cuda", info.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
+                  parallel_strategy: Literal["ddp"] | None = "ddp",
+                  parallel_strategy_kwargs: dict[str, Any] | None = None) -> torch.nn.Module:
+    """Move the model to this worker's device and wrap it in DistributedDataParallel."""
+    device = get_device()
+    if move_to_device:
+        model = model.to(device)
+    if parallel_strategy == "ddp" and dist.is_initialized() and dist.get_world_size() > 1:
+        kwargs = dict(parallel_strategy_kwargs or {})
+        if device.type == "cuda":
+            kwargs.setdefault("device_ids", [device.index])
+        model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+    return model
+
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class DeviceDataLoader:
+    """A DataLoader that prepare_data_loader could not make resumable (see `why_not_resumable`),
+    iterated on this worker's device. A DistributedSampler in it gets its epoch set each pass."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, why_not_resumable: str) -> None:
+        self._loader = loader
+        self._device = device
+        self._epoch = 0
+        self.why_not_resumable = why_not_resumable
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use `epoch`'s sample order for the next pass."""
+        self._epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self._loader.sampler
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        for batch in self._loader:
+            yield _to_device(batch, self._device)
+
+
+class ResumableDataLoader:
+    """What prepare_data_loader returns: a DataLoader over this rank's share of a seeded
+    global sample order (`ResumableSampler`), on this worker's device, whose position
+    (epoch, samples consumed) `state_dict()` saves and `load_state_dict()` restores.
+
+    Iterating it continues the current epoch from the current position; a pass that runs to
+    its end moves to the next epoch. Consumption is counted by the batches handed to the
+    training loop, not by what DataLoader workers have prefetched. Anything else (`dataset`
+    aside) is read from the underlying DataLoader.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler, dataset: Any,
+                 device: torch.device, generator: torch.Generator) -> None:
+        self._loader = loader
+        self._sampler = sampler
+        self._dataset = dataset
+        self._device = device
+        self._generator = generator
+
+    @property
+    def sampler(self) -> ResumableSampler:
+        return self._sampler
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset as it was given (without the per-sample seeding wrapper)."""
+        return self._dataset
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass continues (it advances when a pass runs to its end)."""
+        return self._sampler.epoch
+
+    @property
+    def seeds_per_sample(self) -> bool:
+        """True when each sample is fetched with generators seeded from (seed, epoch, index)."""
+        return isinstance(self._loader.dataset, SeededDataset)
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch on this rank (a pass resumed mid-epoch yields fewer)."""
+        per_rank = self._sampler.epoch_length()
+        batch = self._loader.batch_size or 1
+        return per_rank // batch if self._loader.drop_last else -(-per_rank // batch)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of `epoch`; the current epoch keeps its position, so calling
+        this at the top of an epoch loop does not undo a mid-epoch resume."""
+        self._sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position (see ResumableSampler.state_dict)."""
+        return self._sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved data position, with this run's number of ranks."""
+        self._sampler.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self._sampler
+        # DataLoader draws its workers' base seed from this generator, not from the rank's
+        # global one, so starting a pass (fresh or resumed) leaves the training RNG untouched.
+        self._generator.manual_seed(sample_seed(sampler.seed, sampler.epoch, sampler.position))
+        remaining = len(sampler)
+        batch_size = self._loader.batch_size or 1
+        for batch in self._loader:
+            taken = min(batch_size, remaining)
+            remaining -= taken
+            sampler.advance(taken)
+            yield _to_device(batch, self._device)
+        sampler.end_epoch()
+
+
+class _DieWithRank:
+    """A DataLoader `worker_init_fn` that makes the worker process die with its rank.
+
+    A DataLoader worker inherits its rank's end of the pipe that tells the driver the rank is
+    alive, so a rank killed with SIGKILL is only noticed once its DataLoader workers are gone,
+    and they only check for a dead parent every few seconds. With PR_SET_PDEATHSIG the kernel
+    kills them with the rank, so the driver notices at once. Runs the user's function after.
+    """
+
+    def __init__(self, user_fn: Any) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not Linux
+            pass
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _worker_init_fn(loader: DataLoader) -> Any:
+    fn = loader.worker_init_fn
+    if loader.num_workers == 0 or isinstance(fn, _DieWithRank):
+        return fn
+    return _DieWithRank(fn)
+
+
+def worker_ranks() -> tuple[int, int]:
+    """(rank, world size) of this worker: from the session, else torch.distributed, else (0, 1)."""
+    session = session_mod._current
+    if session is not None:
+        return session.info.world_rank, session.info.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+_KNOWN_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)
+
+
+def _why_not_resumable(loader: DataLoader, add_dist_sampler: bool, world_size: int) -> str | None:
+    if isinstance(loader.dataset, IterableDataset):
+        return "it reads an IterableDataset, which has no sample order to resume"
+    if not add_dist_sampler:
+        return "prepare_data_loader was called with add_dist_sampler=False, which keeps its own sampler"
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        return "it has its own batch_sampler"
+    if not getattr(loader, "in_order", True):
+        return "it yields batches out of order (in_order=False)"
+    if world_size == 1 and type(loader.sampler) not in _KNOWN_SAMPLERS:
+        return (f"it has its own sampler ({type(loader.sampler).__name__}); with one worker "
+                "prepare_data_loader keeps it")
+    if isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement
+                                                      or loader.sampler._num_samples is not None) \
+            and world_size == 1:
+        return "its RandomSampler draws with replacement or a custom num_samples"
+    return None
+
+
+def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
+                        move_to_device: bool = True, *, seed: int | None = None,
+                        seed_per_sample: bool | None = None) -> ResumableDataLoader | DeviceDataLoader:
+    """Give each rank its share of the data, in a resumable order, on its device.
+
+    The loader's sampler becomes a `ResumableSampler`: one seeded permutation of the dataset
+    per epoch (no permutation for a SequentialSampler), shared out among the ranks, whose
+    position TrainState saves and restores, so a resumed run continues mid-epoch with the next
+    unseen samples, with any number of ranks. Any sampler other than the default ones is
+    replaced when there are several ranks, as in Ray Train; with one rank it is kept and the
+    loader is not resumable.
+
+    `seed`: the sample order's seed; default: a DistributedSampler's seed, else the
+    DataLoader's `generator` seed, else 0. `seed_per_sample`: seed python's `random`, numpy
+    and torch before each sample is fetched, from (seed, epoch, index), so augmentation does
+    not depend on `num_workers` or the resume point (see `unbroken.state.sample_seed`). The default,
+    None, does it when `num_workers > 0`, where it is needed for an exact resume; with
+    `num_workers=0` samples are fetched in the training process, whose generators TrainState
+    saves, so an exact resume needs no per-sample seeding there.
+
+    Returns a `ResumableDataLoader`, or a `DeviceDataLoader` (whose `why_not_resumable` says
+    why) for loaders it cannot make resumable: an IterableDataset, a custom batch_sampler,
+    `in_order=False`, or `add_dist_sampler=False`.
+    """
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got "
+                        f"{type(data_loader).__name__}. Hint: wrap your dataset: "
+                        "prepare_data_loader(DataLoader(dataset, batch_size=..., shuffle=True))")
+    device = get_device() if move_to_device else torch.device("cpu")
+    rank, world_size = worker_ranks()
+    reason = _why_not_resumable(data_loader, add_dist_sampler, world_size)
+    if reason is not None:
+        data_loader.worker_init_fn = _worker_init_fn(data_loader)
+        return DeviceDataLoader(data_loader, device, reason)
+
+    old = data_loader.sampler
+    shuffle = not isinstance(old, SequentialSampler)
+    drop_last_share = False
+    if isinstance(old, DistributedSampler):
+        shuffle, drop_last_share = old.shuffle, old.drop_last
+    if seed is None:
+        if isinstance(old, DistributedSampler):
+            seed = old.seed
+        elif data_loader.generator is not None:
+            seed = data_loader.generator.initial_seed()
+        else:
+            seed = 0
+    dataset = data_loader.dataset
+    sampler = ResumableSampler(len(dataset), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                               seed=seed, drop_last=drop_last_share)
+    if seed_per_sample is None:
+        seed_per_sample = data_loader.num_workers > 0
+    generator = torch.Generator()
+    kwargs: dict[str, Any] = dict(
+        batch_size=data_loader.batch_size, num_workers=data_loader.num_workers,
+        pin_memory=data_loader.pin_memory, drop_last=data_loader.drop_last, timeout=data_loader.timeout,
+        worker_init_fn=_worker_init_fn(data_loader), generator=generator,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        persistent_workers=data_loader.persistent_workers)
+    if data_loader.num_workers > 0:
+        kwargs["prefetch_factor"] = data_loader.prefetch_factor
+    if data_loader.pin_memory_device:
+        kwargs["pin_memory_device"] = data_loader.pin_memory_device
+    if seed_per_sample:
+        loader = DataLoader(SeededDataset(dataset, seed), sampler=KeyedSampler(sampler),
+                            collate_fn=data_loader.collate_fn, **kwargs)
+    else:
+        loader = DataLoader(dataset, sampler=sampler, collate_fn=data_loader.collate_fn, **kwargs)
+    return ResumableDataLoader(loader, sampler, dataset, device, generator)

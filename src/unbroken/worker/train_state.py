@@ -1,0 +1,629 @@
+"""TrainState: everything a training loop needs to continue bit for bit after a restart.
+
+    state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0)
+    state.restore()                      # after building everything, before the first step
+    for epoch in range(state.epoch, epochs):
+        for batch in loader:
+            ...
+            state.report({"loss": loss.item()}, checkpoint=step % 100 == 0)
+        state.epoch = epoch + 1
+
+A checkpoint written by `report` (or `save`) holds, in one directory:
+
+- `train_state.pt`, written by rank 0 only: the state_dict of the model (unwrapped from DDP
+  and torch.compile), optimizer, scheduler, loader (the data position) and every extra object
+  with a state_dict, plus the plain extra values. Under DDP these are the same on every rank.
+- `rng_rank<r>.pt`, one per rank: that rank's generator states (python `random`, numpy's
+  global RNG, torch CPU, the current CUDA device's) and any torch.Generator extras.
+
+Both load with `torch.load(..., weights_only=True)`: RNG states are stored as tensors, ints
+and tuples, never as pickled objects.
+
+A sharded model (FSDP2, tensor parallelism: its parameters are DTensors) and its optimizer are
+saved through torch.distributed.checkpoint instead (`unbroken.state.sharded`): every rank writes its
+shards into `dcp-a<attempt>/`, and `train_state.pt` holds the rest and names that directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch
+
+from unbroken import train
+from unbroken.errors import StateMismatchError
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.store.commit import staging_name
+from unbroken.worker import jit as jit_mod
+from unbroken.worker import session as session_mod
+from unbroken.worker.torch_backend import worker_ranks
+
+try:
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is optional
+    _np = None
+
+logger = logging.getLogger("unbroken")
+
+FORMAT_VERSION = 1
+# train_state.pt of a checkpoint whose model and optimizer were saved sharded (an older
+# unbroken refuses it instead of loading a state without its model).
+SHARDED_FORMAT_VERSION = 2
+STATE_FILE = "train_state.pt"
+COMPONENTS = ("model", "optimizer", "scheduler", "loader")
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+# What torch.load(weights_only=True) accepts, checked at save time so that a checkpoint
+# that could not be loaded is refused when it is written, not when it is needed.
+_LOADABLE_SCALARS = _PLAIN_SCALARS + (torch.Size, torch.dtype, torch.device)
+
+
+def rng_file(rank: int) -> str:
+    """The name of rank `rank`'s RNG file in a TrainState checkpoint."""
+    return f"rng_rank{rank}.pt"
+
+
+def is_sharded(model: Any) -> bool:
+    """True when `model` holds sharded parameters (DTensor: FSDP2, tensor parallelism).
+
+    Without importing torch.distributed.tensor (a second to import): no DTensor exists
+    until something imported it."""
+    tensor_mod = sys.modules.get("torch.distributed.tensor")
+    if tensor_mod is None or not isinstance(model, torch.nn.Module):
+        return False
+    return any(isinstance(p, tensor_mod.DTensor) for p in model.parameters())
+
+
+def _unwrap(model: Any) -> Any:
+    """The module whose state_dict has the plain parameter names (no DDP or compile prefix)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _plain_problem(value: Any, where: str, scalars: tuple[type, ...] = _PLAIN_SCALARS) -> str | None:
+    """None if `value` loads back as itself with torch.load(weights_only=True); else what is wrong."""
+    if type(value) in scalars:
+        return None
+    if isinstance(value, torch.Tensor):
+        if type(value).__name__ == "DTensor":
+            return (f"{where} is a DTensor (one shard of a sharded tensor; saved from rank 0 it would "
+                    "hold rank 0's shard only)")
+        return None
+    if type(value) in (list, tuple, set):
+        for i, item in enumerate(value):
+            problem = _plain_problem(item, f"{where}[{i}]", scalars)
+            if problem:
+                return problem
+        return None
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            if type(key) not in scalars:
+                return f"{where} has a key of type {type(key).__name__}"
+            problem = _plain_problem(item, f"{where}[{key!r}]", scalars)
+            if problem:
+                return problem
+        return None
+    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+
+
+class TrainState:
+    """The model, optimizer, scheduler, data loader and anything else a loop needs to resume.
+
+    `model`, `optimizer`, `scheduler`, `loader`: optional; each needs `state_dict()` and
+    `load_state_dict()`. The loader is normally the one `prepare_data_loader` returns.
+    `**extra`: anything else, by name:
+
+    - plain values (None, bool, int, float, str, tensors, and lists, tuples and dicts of them):
+      epoch counters, a best score, running sums. Read and assign them as attributes
+      (`state.epoch`, `state.epoch = 3`); `restore()` sets them to the saved values.
+    - objects with `state_dict()`/`load_state_dict()` (a GradScaler, an EMA model, a second
+      optimizer): saved from rank 0 and loaded on every rank, like the model.
+    - torch.Generator objects: saved and restored per rank, like the global generators.
+
+    Everything is saved from rank 0 except the random generator states, which are per rank;
+    that is right for data-parallel training (DDP), where model, optimizer and scheduler are
+    identical on every rank. A sharded model (DTensor parameters: FSDP2, tensor parallelism)
+    and its optimizer are the exception: every rank saves its shards through
+    torch.distributed.checkpoint, and they restore onto any number of ranks.
+
+    `step_seed`: per-step random streams: after every report (and in `restore()`) each rank's
+    generators are re-seeded from (step_seed, rank, report), so what a step draws does not
+    depend on any rank's earlier state. `jit_checkpoint=True` (needs `step_seed`): when a rank
+    fails, a surviving rank saves the state of the last report as a checkpoint
+    (`unbroken.worker.jit`).
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+                 loader: Any = None, *, async_save: bool = False, jit_checkpoint: bool = False,
+                 step_seed: int | None = None, **extra: Any) -> None:
+        if not isinstance(async_save, bool):
+            raise TypeError(f"TrainState(async_save=...) takes a bool, got {type(async_save).__name__}. "
+                            "Hint: async_save=True writes each checkpoint in the background")
+        object.__setattr__(self, "_async_save", async_save)
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "_values", {})
+        object.__setattr__(self, "_generators", {})
+        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
+                          ("loader", loader)):
+            if obj is not None:
+                self._objects[name] = self._check_stateful(name, obj)
+        reserved = set(dir(type(self))) | set(COMPONENTS) | {"async_save"}
+        for name, value in extra.items():
+            if name in reserved or name.startswith("_"):
+                raise ValueError(f"TrainState(..., {name}=...): {name!r} is a reserved name. Hint: "
+                                 "give that value another name")
+            if isinstance(value, torch.Generator):
+                self._generators[name] = value
+            elif _is_stateful(value) and not isinstance(value, torch.Tensor):
+                self._objects[name] = value
+            else:
+                self._check_plain(name, value)
+                self._values[name] = value
+        object.__setattr__(self, "_step_seed", _check_step_seed(step_seed, jit_checkpoint))
+        if jit_checkpoint:
+            jit_mod.arm(self, step_seed)
+
+    @staticmethod
+    def _check_stateful(name: str, obj: Any) -> Any:
+        if not _is_stateful(obj):
+            hint = ""
+            if name == "loader":
+                why = getattr(obj, "why_not_resumable", None)
+                hint = (f"prepare_data_loader could not make this loader resumable: {why}"
+                        if why else "pass the loader that prepare_data_loader(DataLoader(...)) returns")
+            raise TypeError(f"TrainState({name}=...) needs an object with state_dict() and "
+                            f"load_state_dict(), got {type(obj).__name__}. Hint: "
+                            f"{hint or 'pass it as a plain value or drop it'}")
+        return obj
+
+    @staticmethod
+    def _check_plain(name: str, value: Any) -> None:
+        problem = _plain_problem(value, name)
+        if problem:
+            raise TypeError(
+                f"TrainState cannot save {name!r}: {problem}, which is neither a plain value (None, "
+                "bool, int, float, str, tensor, or a list/tuple/dict of those) nor an object with "
+                "state_dict() and load_state_dict(). Hint: store a plain value instead (e.g. "
+                "float(x), int(x), x.tolist()), or give the object state_dict/load_state_dict")
+
+    # -- attribute access to the extras ---------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # internals not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        for table in ("_objects", "_values", "_generators"):
+            entries = self.__dict__.get(table, {})
+            if name in entries:
+                return entries[name]
+        raise AttributeError(f"TrainState has no {name!r}; it holds {self.names()}. Hint: declare "
+                             f"it when building the state: TrainState(..., {name}=initial_value)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._values:
+            self._check_plain(name, value)
+            self._values[name] = value
+        elif name in self._objects:
+            self._objects[name] = self._check_stateful(name, value)
+        elif name in self._generators:
+            if not isinstance(value, torch.Generator):
+                raise TypeError(f"TrainState.{name} holds a torch.Generator; got {type(value).__name__}")
+            self._generators[name] = value
+        else:
+            raise AttributeError(f"TrainState has no {name!r} to set; it holds {self.names()}. Hint: "
+                                 f"declare it when building the state: TrainState(..., {name}=initial_value)")
+
+    def names(self) -> list[str]:
+        """Everything this state saves, by name."""
+        return [*self._objects, *self._values, *self._generators]
+
+    def __repr__(self) -> str:
+        return f"TrainState({', '.join(self.names())})"
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def state_dicts(self, exclude: Collection[str] = ()) -> dict[str, Any]:
+        """The state_dict of every object this state holds (the model unwrapped), by name,
+        but those in `exclude`.
+
+        For a sharded model these hold this rank's shards (DTensors); `save` writes those
+        through torch.distributed.checkpoint instead."""
+        return {name: _unwrap(obj).state_dict() if name == "model" else obj.state_dict()
+                for name, obj in self._objects.items() if name not in exclude}
+
+    def sharded_names(self) -> list[str]:
+        """The objects saved through torch.distributed.checkpoint, one shard per rank: the
+        model when its parameters are sharded (FSDP2, tensor parallelism), and its optimizer
+        once it holds state (before its first step there are no shards, only settings)."""
+        model = self._objects.get("model")
+        if model is None or not is_sharded(_unwrap(model)):
+            return []
+        optimizer = self._objects.get("optimizer")
+        stepped = optimizer is not None and bool(getattr(optimizer, "state", None))
+        return ["model", "optimizer"] if stepped else ["model"]
+
+    def save(self, directory: str | os.PathLike) -> list[str]:
+        """Write this rank's files of a checkpoint into `directory`; returns their names.
+
+        Rank 0 writes `train_state.pt` (objects and plain values); every rank writes
+        `rng_rank<r>.pt`. A sharded model and its optimizer go through
+        torch.distributed.checkpoint: every rank writes its shards into a subdirectory
+        (collective). `report(..., checkpoint=True)` calls this; call it yourself to attach
+        TrainState's files to a checkpoint of your own.
+        """
+        return self._write(os.fspath(directory))
+
+    def _write(self, directory: str, shards_in: str | None = None) -> list[str]:
+        """`save`; with `shards_in` (a directory), the shards are written there and `directory`
+        gets links to them, which the report stages without copying them again."""
+        written = []
+        sharded = self.sharded_names()
+        shards = None
+        if sharded:
+            from unbroken.state import sharded as sharded_mod
+
+            shards = sharded_mod.shard_dir(_attempt())
+            written += _write_shards(directory, shards, self._sharded_state(sharded), shards_in)
+        return written + _write_captured(directory, *self._capture(sharded, shards))
+
+    def _sharded_state(self, sharded: list[str]) -> dict[str, Any]:
+        """This rank's shards of the model (and optimizer), for torch.distributed.checkpoint."""
+        from unbroken.state import sharded as sharded_mod
+
+        optimizer = self._objects["optimizer"] if "optimizer" in sharded else None
+        return sharded_mod.live_state(_unwrap(self._objects["model"]), optimizer)
+
+    def _capture(self, sharded: list[str], shards: str | None, copy: bool = False
+                 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(rank 0's `train_state.pt` payload, or None on the other ranks; this rank's RNG file),
+        checked for what torch.load(weights_only=True) loads back. With `copy`, every tensor is
+        copied (to CPU memory), so that training may go on while they are written."""
+        rank, world_size = worker_ranks()
+        payload = None
+        if rank == 0:
+            for name, value in self._values.items():
+                self._check_plain(name, value)
+            state_dicts = self.state_dicts(exclude=sharded)
+            for name, sd in state_dicts.items():
+                problem = _plain_problem(sd, f"{name}.state_dict()", _LOADABLE_SCALARS)
+                if problem:
+                    raise TypeError(f"TrainState cannot save {name!r}: {problem}, which "
+                                    "torch.load(weights_only=True) cannot load back. Hint: make its "
+                                    "state_dict() return tensors and plain values only; only the model "
+                                    "and its optimizer are saved sharded")
+            payload = {"format": SHARDED_FORMAT_VERSION if sharded else FORMAT_VERSION,
+                       "world_size": world_size, "torch_version": str(torch.__version__),
+                       "state_dicts": state_dicts, "values": dict(self._values)}
+            if sharded:
+                payload["sharded"] = {"directory": shards, "names": sharded}
+        rng = capture_rng()
+        rng["generators"] = {name: g.get_state() for name, g in self._generators.items()}
+        return (snapshot(payload), rng) if copy else (payload, rng)
+
+    def report(self, metrics: dict[str, Any], checkpoint: bool = False) -> bool:
+        """`train.report(metrics)`, with this state saved as the checkpoint when `checkpoint`
+        is true or when the driver asks for one (a preemption: should_checkpoint()).
+
+        Collective, like train.report: every rank calls it with the same `checkpoint`.
+        Returns whether a checkpoint was attached.
+        """
+        if not isinstance(checkpoint, bool):
+            raise TypeError(f"TrainState.report(checkpoint=...) takes a bool, got "
+                            f"{type(checkpoint).__name__}. Hint: to report a checkpoint of your own, "
+                            "call train.report(metrics, checkpoint=Checkpoint.from_directory(d))")
+        session = session_mod.current("TrainState.report()")
+        # Asked before this report, so every rank gets the driver's answer for the same report.
+        if not (checkpoint or train.get_context().should_checkpoint()):
+            train.report(metrics)
+            return False
+        if self._async_save:
+            session.saver.wait()  # one save in flight: the previous copy is freed before this one
+            session.report_async(metrics, self._snapshot_writer())
+            return True
+        with tempfile.TemporaryDirectory(prefix="unbroken-state-") as d:
+            self._write(d, _next_staging() if self.sharded_names() else None)
+            train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+        return True
+
+    def _snapshot_writer(self) -> Callable[[], tuple[str, bool]]:
+        """Copy this rank's part of a checkpoint into memory now; returns the function that
+        writes it into a new temporary directory later (in the background, see `async_save`)."""
+        sharded = self.sharded_names()
+        shards, shard_state, group, staging = None, None, None, None
+        if sharded:
+            from unbroken.state import sharded as sharded_mod
+
+            shards = sharded_mod.shard_dir(_attempt())
+            shard_state = snapshot(self._sharded_state(sharded))
+            group = sharded_mod.background_group()
+            staging = _next_staging()
+        payload, rng = self._capture(sharded, shards, copy=True)
+
+        def write() -> tuple[str, bool]:
+            directory = tempfile.mkdtemp(prefix="unbroken-state-")
+            if shard_state is not None:
+                _write_shards(directory, shards, shard_state, staging, group)
+            _write_captured(directory, payload, rng)
+            return directory, True
+        return write
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, checkpoint: Checkpoint | None = None, *, strict: bool = True) -> bool:
+        """Load the latest committed checkpoint (`train.get_checkpoint()`), or `checkpoint`,
+        into every object, the plain values and this rank's generators. Returns False, and
+        changes nothing, when there is none (a fresh run); with `step_seed`, the generators are
+        then seeded for the first steps all the same.
+
+        Call it after building the model, optimizer, scheduler and loader and before the first
+        training step: the generators are set last, so randomness drawn while building the
+        objects does not shift the resumed random stream. `strict=False` loads what the
+        checkpoint and this state have in common and logs the rest.
+        """
+        if checkpoint is None:
+            session_mod.current("TrainState.restore()")
+            checkpoint = train.get_checkpoint()
+        if checkpoint is None:
+            self._start_step_streams()
+            return False
+        with checkpoint.as_directory() as d:
+            self.load(d, strict=strict)
+        self._start_step_streams()
+        return True
+
+    def _start_step_streams(self) -> None:
+        """With `step_seed`, inside a run: seed this rank's generators for the steps after the
+        run's current report (the one resumed from, or 0), as each report does for the next."""
+        session = session_mod._current
+        if self._step_seed is not None and session is not None:
+            jit_mod.seed_step(self._step_seed, session.info.world_rank, session.iteration, self._generators)
+
+    def load(self, directory: str | os.PathLike, *, strict: bool = True) -> None:
+        """Load a checkpoint directory written by `save`/`report` into this state."""
+        directory = os.fspath(directory)
+        path = os.path.join(directory, STATE_FILE)
+        if not os.path.exists(path):
+            raise StateMismatchError(
+                f"{directory} has no {STATE_FILE}, so it was not written by TrainState (it has: "
+                f"{sorted(os.listdir(directory)) if os.path.isdir(directory) else 'no such directory'}). "
+                "Hint: a run that saved its own files must keep loading them itself from "
+                "train.get_checkpoint(); start a new run to use TrainState")
+        payload = read_payload(path)
+        state_dicts: dict[str, Any] = payload["state_dicts"]
+        values: dict[str, Any] = payload["values"]
+        sharded = payload.get("sharded") or {"names": []}
+        self._compare("object", self._objects, {**state_dicts, **dict.fromkeys(sharded["names"])}, strict,
+                      directory)
+        self._compare("value", self._values, values, strict, directory)
+        if "model" in state_dicts and self.sharded_names():
+            raise StateMismatchError(
+                f"the checkpoint {directory} holds a whole (unsharded) model, saved from rank 0, "
+                "and this run's model is sharded (DTensor parameters); TrainState loads sharded "
+                "state only from a sharded checkpoint. Hint: resume with the model as it was saved "
+                "(DDP or plain), or start a new run from these weights: load them into the model "
+                "before sharding it")
+        if "model" in sharded["names"] and "model" in self._objects:
+            self._load_sharded(os.path.join(directory, sharded["directory"]), sharded["names"],
+                               payload.get("torch_version"))
+        for name, obj in self._objects.items():
+            if name in state_dicts:
+                (_unwrap(obj) if name == "model" else obj).load_state_dict(state_dicts[name])
+        for name in self._values:
+            if name in values:
+                self._values[name] = values[name]
+        rank, _ = worker_ranks()
+        rng_path = os.path.join(directory, rng_file(rank))
+        if not os.path.exists(rng_path):
+            logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
+                           "generators keep their current state", rank, directory,
+                           payload.get("world_size"))
+            return
+        # Last, so that nothing done while loading draws from the restored generators.
+        rng = torch.load(rng_path, weights_only=True, map_location="cpu")
+        generators = rng.pop("generators", {})
+        self._compare("generator", self._generators, generators, strict, directory)
+        for name, g in self._generators.items():
+            if name in generators:
+                g.set_state(generators[name])
+        restore_rng(rng)
+
+    def _load_sharded(self, shards: str, names: list[str], saved_torch: str | None) -> None:
+        """Load the model (and optimizer) saved through torch.distributed.checkpoint,
+        resharded onto this run's layout. Collective."""
+        from unbroken.state import sharded as sharded_mod
+
+        optimizer = self._objects.get("optimizer") if "optimizer" in names else None
+        other_torch = saved_torch != torch.__version__
+        if other_torch:
+            logger.warning("%s was saved with torch %s and is loaded with torch %s: "
+                           "torch.distributed.checkpoint promises no compatibility across torch "
+                           "versions", shards, saved_torch, torch.__version__)
+        try:
+            sharded_mod.load(shards, _unwrap(self._objects["model"]), optimizer)
+        except StateMismatchError:
+            raise
+        except Exception as e:
+            if not other_torch:
+                raise
+            raise StateMismatchError(
+                f"loading the sharded state in {shards} failed: {type(e).__name__}: {e}. It was saved "
+                f"with torch {saved_torch}; this is torch {torch.__version__}, and "
+                "torch.distributed.checkpoint promises no compatibility across versions. Hint: restore "
+                f"with torch {saved_torch}") from e
+
+    @staticmethod
+    def _compare(kind: str, declared: Mapping[str, Any], saved: Mapping[str, Any], strict: bool,
+                 directory: str) -> None:
+        missing = sorted(set(declared) - set(saved))
+        unknown = sorted(set(saved) - set(declared))
+        if not (missing or unknown):
+            return
+        message = (f"the checkpoint {directory} does not hold the same {kind}s as this TrainState: "
+                   + "; ".join(part for part in (
+                       f"not in the checkpoint: {missing}" if missing else "",
+                       f"not in this TrainState: {unknown}" if unknown else "") if part))
+        if strict:
+            raise StateMismatchError(message + ". Hint: build the TrainState with the same names the "
+                                     "run saved, or call restore(strict=False) to load what matches")
+        logger.warning("%s; loading the rest (strict=False)", message)
+
+
+def _check_step_seed(step_seed: Any, jit_checkpoint: Any) -> int | None:
+    """`step_seed` checked, with the `jit_checkpoint` option that needs it."""
+    if not isinstance(jit_checkpoint, bool):
+        raise TypeError(f"TrainState(jit_checkpoint=...) takes a bool, got {type(jit_checkpoint).__name__}")
+    if step_seed is not None and (isinstance(step_seed, bool) or not isinstance(step_seed, int)):
+        raise TypeError(f"TrainState(step_seed=...) takes an int, got {type(step_seed).__name__}")
+    if jit_checkpoint and step_seed is None:
+        raise ValueError("TrainState(jit_checkpoint=True) needs step_seed=<int>: a rank that dies takes its "
+                         "random state with it, so a just-in-time checkpoint is exact only when every "
+                         "rank's random draws after a report follow from (step_seed, rank, report). "
+                         "Hint: TrainState(..., jit_checkpoint=True, step_seed=1234)")
+    return step_seed
+
+
+def read_payload(path: str) -> dict[str, Any]:
+    """`train_state.pt`, checked to be a format this version reads."""
+    payload = torch.load(path, weights_only=True, map_location=_map_location())
+    found = payload.get("format") if isinstance(payload, dict) else None
+    if found not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
+        raise StateMismatchError(f"{path} has format {found!r}; this version of unbroken reads formats "
+                                 f"{FORMAT_VERSION} and {SHARDED_FORMAT_VERSION}. Hint: restore with the "
+                                 "unbroken version that wrote it")
+    return payload
+
+
+def load_full_state(directory: str | os.PathLike) -> dict[str, Any]:
+    """Everything a TrainState checkpoint directory holds except the random generators, whole,
+    in this process, by name: {"model": state_dict, "optimizer": ..., "scheduler": ...,
+    "loader": ..., <extra objects' state_dicts>, <plain values>}.
+
+    A sharded model and optimizer are gathered from every rank's shards (this needs memory
+    for the whole model, and no process group); their state_dicts are keyed by parameter
+    name, as torch.distributed.checkpoint.state_dict gives them."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        raise StateMismatchError(f"{directory} has no {STATE_FILE}, so it was not written by TrainState")
+    payload = read_payload(path)
+    out = {**payload["state_dicts"], **payload["values"]}
+    sharded = payload.get("sharded")
+    if sharded:
+        from unbroken.state import sharded as sharded_mod
+
+        out.update(sharded_mod.load_full(os.path.join(directory, sharded["directory"])))
+    return out
+
+
+def _write_shards(directory: str, shards: str, state: dict[str, Any], shards_in: str | None = None,
+                  group: Any = None) -> list[str]:
+    """Write a sharded state through torch.distributed.checkpoint (collective over `group`)
+    into `directory/shards`, or into `shards_in/shards` with links to them in `directory`
+    (see `TrainState._write`); returns the file names relative to `directory`."""
+    from unbroken.state import sharded as sharded_mod
+
+    local = os.path.join(directory, shards)
+    target = os.path.join(shards_in, shards) if shards_in is not None else local
+    names = sharded_mod.save(target, state, group)
+    if target != local:
+        os.makedirs(local)
+        for name in names:
+            os.symlink(os.path.join(target, name), os.path.join(local, name))
+    return [f"{shards}/{name}" for name in names]
+
+
+def _write_captured(directory: str, payload: dict[str, Any] | None, rng: dict[str, Any]) -> list[str]:
+    """Write what `TrainState._capture` returned into `directory`; returns the file names."""
+    rank, _ = worker_ranks()
+    written = []
+    if payload is not None:
+        torch.save(payload, os.path.join(directory, STATE_FILE))
+        written.append(STATE_FILE)
+    torch.save(rng, os.path.join(directory, rng_file(rank)))
+    return written + [rng_file(rank)]
+
+
+def snapshot(value: Any) -> Any:
+    """`value` with every tensor in it copied (plain tensors to CPU memory; a DTensor keeps its
+    placement) and its lists, tuples and dicts rebuilt: what training does next changes
+    nothing in it."""
+    if isinstance(value, torch.Tensor):
+        if type(value).__name__ == "DTensor":
+            return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, snapshot(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
+def _next_staging() -> str | None:
+    """Where the next report's checkpoint is staged, when that is a local directory: sharded
+    files are written there directly, so that their bytes are written once (the report finds
+    them in place and only sums them). None on object stores, where the report uploads them."""
+    session = session_mod.current("TrainState.report()")
+    storage = session.info.storage
+    if not storage.renames_atomically:
+        return None
+    return storage.local_path(staging_name(session.iteration + 1, session.info.attempt, storage))
+
+
+def _attempt() -> int | None:
+    """This run's attempt number, or None outside a run."""
+    session = session_mod._current
+    return session.info.attempt if session is not None else None
+
+
+def _map_location() -> Any:
+    """Where saved tensors go: CPU, or this worker's GPU when it uses one (rank 0's file
+    names rank 0's device, which is the wrong one on the other ranks)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        here = f"cuda:{torch.cuda.current_device()}"
+        return {f"cuda:{i}": here for i in range(torch.cuda.device_count())}
+    return "cpu"
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's generator states, in a form torch.load(weights_only=True) loads."""
+    version, internal, gauss_next = random.getstate()
+    # As a tensor: 625 ints unpickle far faster that way under weights_only=True than as a tuple.
+    python = {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+              "gauss_next": gauss_next}
+    state: dict[str, Any] = {"python": python, "torch": torch.get_rng_state()}
+    if _np is not None:
+        _, keys, pos, has_gauss, cached_gaussian = _np.random.get_state()
+        state["numpy"] = {"keys": torch.from_numpy(keys.astype(_np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set this process's generators to a state from `capture_rng` (what it lacks is left)."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state and _np is not None:
+        np_state = state["numpy"]
+        _np.random.set_state(("MT19937", np_state["keys"].numpy().astype(_np.uint32), np_state["pos"],
+                              np_state["has_gauss"], np_state["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())
