@@ -29,12 +29,12 @@ from test_exact_resume import (
     rng_for,
 )
 from unbroken.errors import CheckpointChangedError, TrainingInterruptedError
+from unbroken.state.state_file import STATE_FILE
 from unbroken.store.commit import FileEntry
 from unbroken.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer
 from unbroken.worker.async_save import BackgroundSave, PendingCommit, PendingCommits
 from unbroken.worker.protocol import Staged
-from unbroken.worker.train_state import STATE_FILE
 
 LATEST_BEFORE_STEP_12 = "checkpoint_000008"  # checkpoints every 4 steps
 

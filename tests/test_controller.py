@@ -10,8 +10,8 @@ import pytest
 
 from fake_group import HANG, SIGTERM_DRIVER, SLOW, FakeWorkerGroup, die, raise_, report
 from unbroken.errors import ReportMismatchError, TrainingInterruptedError, WorkerError, WorkerHangError
-from unbroken.execution.controller import Controller, ControllerState
-from unbroken.run import restore as rs
+from unbroken.execution.controller import Controller
+from unbroken.execution.controller_state import Errored, Finished
 from unbroken.train import (
     DataParallelTrainer,
     FailureConfig,
@@ -19,6 +19,7 @@ from unbroken.train import (
     ScalingConfig,
     TrainingFailedError,
 )
+from unbroken.train.open_run import open_run
 
 
 def never_called(config):
@@ -37,7 +38,7 @@ class Harness:
                                  failure_config=FailureConfig(max_failures=max_failures, **{
                                      k: run_config.pop(k) for k in ("hang_timeout_s",) if k in run_config}),
                                  **run_config))
-        self.run, _ = rs.open_run(trainer)
+        self.run, _ = open_run(trainer)
         self.controller = Controller(trainer, self.run, "restore(...)", group_factory=self.group)
         self.path = self.run.path
 
@@ -66,7 +67,7 @@ def test_rounds_become_rows_and_every_rank_gets_each_reply(storage):
     h.execute()
     assert [(r["training_iteration"], r["loss"]) for r in h.rows()] == [(1, 3), (2, 2), (3, 1)]
     assert [r["checkpoint_dir_name"] for r in h.rows()] == [None, "checkpoint_000002", None]
-    assert h.controller.state is ControllerState.FINISHED
+    assert isinstance(h.controller.state, Finished)
     group = h.groups[0]
     assert [len(r.replies) for r in group.ranks] == [3, 3]
     assert group.finished == {0, 1} and group.shut_down is False
@@ -108,7 +109,7 @@ def test_a_killed_peer_is_the_root_cause_of_its_neighbours_error(storage):
     cause = info.value.__cause__
     assert isinstance(cause, WorkerError) and cause.rank == 0
     assert "worker rank 0 (of the fake engine) was killed by SIGKILL" in str(cause)
-    assert h.controller.state is ControllerState.ERRORED
+    assert isinstance(h.controller.state, Errored)
     assert [r["training_iteration"] for r in h.rows()] == [1]
 
 

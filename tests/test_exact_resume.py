@@ -16,6 +16,7 @@ from loops import AugmentedDataset, exact_loop
 from unbroken.errors import StateMismatchError, TrainingInterruptedError
 from unbroken.state.sample_seed import sample_seed, seed_generators
 from unbroken.state.sampler import ResumableSampler
+from unbroken.state.state_file import STATE_FILE, capture_rng, restore_rng, rng_file
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import (
     DeviceDataLoader,
@@ -24,7 +25,6 @@ from unbroken.train.torch import (
     TrainState,
     prepare_data_loader,
 )
-from unbroken.worker.train_state import STATE_FILE, capture_rng, restore_rng, rng_file
 
 SEED = int(os.environ.get("UNBROKEN_TEST_SEED") or random.SystemRandom().randrange(2**32))
 BASE = {"epochs": 3, "samples": 48, "batch_size": 4, "ckpt_every": 4}  # 2 workers: 6 steps an epoch
@@ -457,7 +457,7 @@ import sys, tempfile
 sys.modules["numpy"] = None  # as if numpy were not installed
 import torch
 from unbroken.train.torch import TrainState, prepare_data_loader
-from unbroken.worker.train_state import capture_rng
+from unbroken.state.state_file import capture_rng
 assert "numpy" not in capture_rng()
 data = torch.utils.data.DataLoader(list(range(6)), batch_size=2, shuffle=True)
 loader = prepare_data_loader(data, move_to_device=False, seed_per_sample=True)

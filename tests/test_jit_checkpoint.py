@@ -21,11 +21,12 @@ from loops import exact_loop
 from test_exact_resume import BASE, assert_same_run
 from unbroken import train
 from unbroken.cli import commands as cli
+from unbroken.execution.jit_coordinator import OFFER_WAIT_S, Coordinator
+from unbroken.state.state_file import capture_rng, restore_rng
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
-from unbroken.worker.jit import OFFER_WAIT_S, Coordinator, seed_step
+from unbroken.worker.jit import seed_step
 from unbroken.worker.protocol import JitArmed, JitOffer, JitSaved
-from unbroken.worker.train_state import capture_rng, restore_rng
 
 STEP = 6  # the report the failures follow
 PERIODIC = 4  # the periodic checkpoint before it

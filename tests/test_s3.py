@@ -226,7 +226,7 @@ print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.check
 def test_only_faults_are_retried_not_answers():
     from botocore.exceptions import EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 
-    from unbroken.store.storage import _transient
+    from unbroken.store.storage_errors import is_transient as _transient
 
     assert _transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
     assert _transient(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))

@@ -20,9 +20,9 @@ import torch
 from conftest import read_until, run_json, run_script, s3_env, start_script
 from sharded_loops import fsdp_loop
 from test_exact_resume import assert_identical
+from unbroken.state.state_file import STATE_FILE, rng_file
 from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer, TrainState
-from unbroken.worker.train_state import STATE_FILE, rng_file
 
 SEED = int(os.environ.get("UNBROKEN_TEST_SEED") or random.SystemRandom().randrange(2**32))
 BASE = {"epochs": 2, "samples": 48, "batch_size": 4, "ckpt_every": 4}  # 2 workers: 6 steps an epoch

@@ -213,7 +213,7 @@ def test_trainer_trainable_merges_its_train_loop_config(storage):
         assert result.metrics["trial_name"] == f"trial_0000{i}"
         assert result.metrics["trial_id"].endswith(f"_0000{i}")
         manifest = run_json(result.path)
-        assert manifest["trainer_class"] == "unbroken.train.trainer:DataParallelTrainer"
+        assert manifest["trainer_class"] == "unbroken.trainer:DataParallelTrainer"
         assert manifest["attempts"][0]["num_workers"] == 2
     # Restored without passing the trainable: the saved Trainer is rebuilt.
     restored = Tuner.restore(os.path.join(storage, "tr"))

@@ -36,7 +36,7 @@ from unbroken.errors import (
 from unbroken.observe.progress import format_value, is_terminal
 from unbroken.run.callbacks import numeric_metrics
 from unbroken.store import manifest as mf
-from unbroken.store.storage import format_bytes
+from unbroken.store.storage import Storage, format_bytes
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 _USAGE_ERRORS = (RunNotFoundError, UnknownMetricError)
@@ -156,6 +156,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(s.to_json())
         return EXIT_OK
+    _show_head(s)
+    _show_attempts(s)
+    _show_checkpoints(s)
+    _show_config(s)
+    _show_last_metrics(s)
+    return EXIT_OK
+
+
+def _show_head(s: inspection.RunSummary) -> None:
+    """The run's identity and status; a run.json that still says RUNNING after its driver died
+    is shown with the status it really has, and a live driver with its heartbeat's age."""
     status = s.status
     if s.status != s.recorded_status:
         status += f" (run.json says {s.recorded_status}; {inspection.ABORTED_NOTE})"
@@ -167,27 +178,41 @@ def cmd_show(args: argparse.Namespace) -> int:
                                f"(heartbeat {age:.0f} s ago)"])
     print(_table(None, head))
 
+
+def _show_attempts(s: inspection.RunSummary) -> None:
+    """One row per attempt, then what the table has no room for: a changed configuration
+    and the just-in-time checkpoint (or why there was none)."""
     print("\nattempts")
     rows = [[a["number"], a["status"], _when(a["started_at"]), _when(a["ended_at"]), a["num_workers"],
              a["resumed_from"] or "-", a["error"] or "-"] for a in s.attempts]
     print(_table(["#", "STATUS", "STARTED", "ENDED", "WORKERS", "RESUMED FROM", "ERROR"], rows, indent=2)
           if rows else "  none")
     for a in s.attempts:
-        if a.get("config_change"):
-            print(f"  attempt {a['number']} continued the run with a changed configuration:")
-            print("\n".join(f"  {line}" for line in mf.config_change_lines(a["config_change"])))
-        jit = a.get("jit_checkpoint")
-        if jit:
-            print(f"  attempt {a['number']}: " + (
-                f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
-                if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
+        _show_attempt_notes(a)
 
+
+def _show_attempt_notes(a: dict[str, Any]) -> None:
+    if a.get("config_change"):
+        print(f"  attempt {a['number']} continued the run with a changed configuration:")
+        print("\n".join(f"  {line}" for line in mf.config_change_lines(a["config_change"])))
+    jit = a.get("jit_checkpoint")
+    if jit:
+        print(f"  attempt {a['number']}: " + (
+            f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
+            if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
+
+
+def _show_checkpoints(s: inspection.RunSummary) -> None:
     print("\ncheckpoints (file sizes checked; `unbroken verify` also checks hashes)")
     rows = [[c.name, _state(c), _or_dash(c.iteration), _or_dash(c.attempt), _or_dash(c.files),
              _size(c.bytes), _when(c.committed_at)] for c in s.checkpoints or []]
     print(_table(["NAME", "STATE", "ITER", "ATTEMPT", "FILES", "SIZE", "COMMITTED"], rows, indent=2)
           if rows else "  none")
 
+
+def _show_config(s: inspection.RunSummary) -> None:
+    """The trainer's saved arguments: train_loop_config as JSON, the others as Python-like text,
+    and the names of those that could only be pickled."""
     print("\nconfig")
     args_rows = [["train_loop_config", json.dumps(s.config, sort_keys=True)]] if s.config is not None else []
     args_rows += [[name, _describe(value)] for name, value in sorted(s.params.items())
@@ -195,14 +220,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     args_rows += [[name, "(pickled)"] for name in s.pickled_params]
     print(_table(None, args_rows, indent=2) if args_rows else "  none")
 
-    if s.last_metrics:
-        m = s.last_metrics
-        print(f"\nlast metrics (iteration {m.get('training_iteration')}, attempt {m.get('attempt')})")
-        shown = {k: v for k, v in m.items() if k not in ("training_iteration", "attempt") and v is not None}
-        if "timestamp" in shown:
-            shown["timestamp"] = _when(shown["timestamp"])
-        print(_table(None, [[k, format_value(v)] for k, v in shown.items()], indent=2))
-    return EXIT_OK
+
+def _show_last_metrics(s: inspection.RunSummary) -> None:
+    """The last reported row (nothing when the run reported none), its timestamp as a date."""
+    if not s.last_metrics:
+        return
+    m = s.last_metrics
+    print(f"\nlast metrics (iteration {m.get('training_iteration')}, attempt {m.get('attempt')})")
+    shown = {k: v for k, v in m.items() if k not in ("training_iteration", "attempt") and v is not None}
+    if "timestamp" in shown:
+        shown["timestamp"] = _when(shown["timestamp"])
+    print(_table(None, [[k, format_value(v)] for k, v in shown.items()], indent=2))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -250,10 +278,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from unbroken.run.restore import load_saved_arg
-    from unbroken.store.lease import live_holder
-    from unbroken.store.storage import Storage
-
     storage = Storage.from_url(args.path)
     manifest = mf.load(storage)
     url, name = storage.url(), inspection.run_name(storage)
@@ -262,31 +286,58 @@ def cmd_resume(args: argparse.Namespace) -> int:
         print(f"run {name} already finished at iteration "
               f"{_or_dash(last.get('training_iteration'))}; nothing to resume")
         return EXIT_OK
+    _refuse_if_driven(storage, url)
+    trainer = _restore_trainer(url, _resume_overrides(storage, manifest, args.max_failures))
+    status = inspection.summarize(url, brief=True)
+    start = f"from {status.latest_checkpoint}" if status.latest_checkpoint else "from the beginning"
+    print(f"resuming run {name} ({status.status}, {len(manifest.attempts)} attempt"
+          f"{'s' if len(manifest.attempts) != 1 else ''} so far) {start}", flush=True)
+    return _fit_to_end(trainer, storage, name)
+
+
+def _refuse_if_driven(storage: Storage, url: str) -> None:
+    """Raise LeaseHeldError while another live process drives the run (a dead one's lease is
+    taken over by the restore itself)."""
+    from unbroken.store.lease import live_holder
+
     holder = live_holder(storage)
     if holder is not None:
         raise LeaseHeldError(f"run {url!r} is being driven by another process (pid {holder.get('pid')} on "
                              f"{holder.get('host')}). Hint: wait for it to finish or stop it; a run whose "
                              "driver died is taken over automatically")
-    overrides: dict[str, Any] = {}
-    if args.max_failures is not None:
-        from unbroken.core.config import FailureConfig, RunConfig
 
-        saved = load_saved_arg(storage, manifest, "run_config") or RunConfig()
-        failure = dataclasses.replace(saved.failure_config or FailureConfig(), max_failures=args.max_failures)
-        overrides["run_config"] = dataclasses.replace(saved, failure_config=failure)
+
+def _resume_overrides(storage: Storage, manifest: mf.RunManifest,
+                      max_failures: int | None) -> dict[str, Any]:
+    """Trainer arguments that replace the saved ones: with --max-failures, the run's saved
+    RunConfig with only FailureConfig.max_failures changed."""
+    if max_failures is None:
+        return {}
+    from unbroken.core.config import FailureConfig, RunConfig
+    from unbroken.run.restore import load_saved_arg
+
+    saved = load_saved_arg(storage, manifest, "run_config") or RunConfig()
+    failure = dataclasses.replace(saved.failure_config or FailureConfig(), max_failures=max_failures)
+    return {"run_config": dataclasses.replace(saved, failure_config=failure)}
+
+
+def _restore_trainer(url: str, overrides: dict[str, Any]) -> Any:
+    """The run's trainer, restored with the current directory importable (as `python script.py`
+    would have it: modules next to the script import); an ImportError gets a hint."""
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python script.py` would: modules next to the script import
+        sys.path.insert(0, os.getcwd())
     from unbroken.train.trainer import BaseTrainer
 
     try:
-        trainer = BaseTrainer.restore(url, **overrides)
+        return BaseTrainer.restore(url, **overrides)
     except ImportError as e:
         raise ImportError(f"the run's code cannot be imported ({e}). Hint: run `unbroken resume` from the "
                           "directory your training script ran in, or add its directory to PYTHONPATH") from e
-    status = inspection.summarize(url, brief=True)
-    start = f"from {status.latest_checkpoint}" if status.latest_checkpoint else "from the beginning"
-    print(f"resuming run {name} ({status.status}, {len(manifest.attempts)} attempt"
-          f"{'s' if len(manifest.attempts) != 1 else ''} so far) {start}", flush=True)
+
+
+def _fit_to_end(trainer: Any, storage: Storage, name: str) -> int:
+    """fit() the restored trainer and report how it ended; the exit code."""
+    url = storage.url()
     try:
         result = trainer.fit()
     except TrainingInterruptedError as e:
@@ -403,7 +454,7 @@ def _defaults(name: str) -> dict[str, Any]:
     so that a saved config shows only what was set."""
     if not name.startswith("unbroken."):
         return {}  # importing a user's module could run anything
-    from unbroken.run.restore import encode, import_by_name
+    from unbroken.core.codec import encode, import_by_name
 
     try:
         return encode(import_by_name(name)())["fields"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -32,9 +31,10 @@ from unbroken.errors import (
     WorkerError,
     WorkerGroupError,
 )
+from unbroken.execution import controller_state as states
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
-from unbroken.execution.engine.factory import make_worker_group
 from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
+from unbroken.execution.jit_coordinator import Coordinator, settle
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.report_rounds import ReportRounds
 from unbroken.run.callbacks import failed_rank
@@ -44,7 +44,6 @@ from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import Marker, checkpoint_name, round_name
 from unbroken.store.storage import split_run_url
 from unbroken.worker.async_save import PendingCommit, PendingCommits
-from unbroken.worker.jit import Coordinator, settle
 from unbroken.worker.protocol import JIT_MESSAGES, Committed, Done, Failed, Rendezvous, Reply, Report, Staged
 from unbroken.worker.runner import PROBE, WorkerPayload
 from unbroken.worker.session import WorkerInfo
@@ -63,44 +62,49 @@ ROUND_GRACE_S = 10.0
 WARM_UP_AFTER_S = float(os.environ.get("UNBROKEN_WARM_UP_AFTER_S", "10"))
 
 
-class ControllerState(enum.Enum):
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    STOPPING = "STOPPING"  # preemption: waiting for the checkpoint the workers were asked for
-    RESTARTING = "RESTARTING"
-    FINISHED = "FINISHED"
-    INTERRUPTED = "INTERRUPTED"
-    ERRORED = "ERRORED"
-
-
 class _StopNow(BaseException):
     """A second signal: stop the workers without waiting for anything."""
 
 
 class Controller:
-    """Runs `trainer.training_loop()` on a worker group until the run finishes or gives up."""
+    """Runs `trainer.training_loop()` on a worker group until the run finishes or gives up.
 
-    def __init__(self, trainer: Any, run: Run, restore_hint: str,
-                 group_factory: WorkerGroupFactory = make_worker_group) -> None:
+    `group_factory` makes each attempt's worker group (the engine's `make_worker_group`, a fake
+    in tests); `failure_policy` decides which failures are retried (default: from run_config)."""
+
+    def __init__(self, trainer: Any, run: Run, restore_hint: str, group_factory: WorkerGroupFactory,
+                 failure_policy: FailurePolicy | None = None) -> None:
         self.trainer = trainer
         self.group_factory = group_factory  # scaling -> a new WorkerGroup for each attempt
         self.run = run
         self.scaling: ScalingConfig = trainer.scaling_config
         self.run_config: RunConfig = trainer.run_config
         self.restore_hint = restore_hint
-        self.state = ControllerState.STARTING
-        self.policy = FailurePolicy(self.run_config.failure_config)
+        # Changed only by `_transition`; Starting: the attempt about to begin, as `begin_attempt` numbers it.
+        self._state: states.ControllerState = states.Starting(run.manifest.attempt_count + 1)
+        self.policy = (FailurePolicy(self.run_config.failure_config) if failure_policy is None
+                       else failure_policy)
         self.interrupts = Interrupts()
         # Workers get the trainer without the driver-side callbacks (never called there, and
         # a callback may hold something that cannot travel to a forkserver worker).
         self._worker_trainer = copy.copy(trainer)
         self._worker_trainer.run_config = dataclasses.replace(trainer.run_config, callbacks=None)
-        self._asked_at: int | None = None  # the round whose reply asked for a checkpoint
-        self._preempted = False  # the workers were told to stop because of a signal
         self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
         self._started = 0.0  # when the attempt's ranks were started
         self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
         self._saves = PendingCommits(run.reported)  # the attempt's asynchronous saves not committed yet
+
+    @property
+    def state(self) -> states.ControllerState:
+        """The controller's current state (read-only: see `controller_state`)."""
+        return self._state
+
+    def _transition(self, new: states.ControllerState) -> None:
+        """Move to state `new`: the one place the state changes (IllegalTransitionError if it may not)."""
+        states.check_transition(self._state, new)
+        if new != self._state:
+            log.debug("run %s: controller %r -> %r", self.run.path, self._state, new)
+        self._state = new
 
     def execute(self) -> None:
         """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
@@ -119,7 +123,7 @@ class Controller:
 
     def _attempt(self) -> bool:
         """One attempt: True when the run finished, False when the workers should restart."""
-        self.state = ControllerState.STARTING
+        self._transition(states.Starting(self.run.manifest.attempt_count + 1))
         resume = self.run.begin_attempt(self.scaling.num_workers)
         attempt = self.run.attempt.number
         if resume is not None:
@@ -127,45 +131,61 @@ class Controller:
         group = None
         try:
             group = self.group_factory(self.scaling, warm=self._warm)
-            self._cold = True
-            probe = self.run.write_probe(PROBE) if group.spans_machines else None
-            group.start(functools.partial(self._payload, resume, probe))
-            self._started = time.monotonic()
-            self.state = ControllerState.RUNNING
+            self._start(group, resume, attempt)
             self._drive(group)
         except BaseException as error:
             if group is not None:
-                group.shutdown(kill=True, keep_warm=not self._cold)
-                if not self._cold:
-                    if self._warm is not None:
-                        self._warm.shutdown(kill=True)
-                    self._warm = group
+                self._shut_down_failed(group)
             if isinstance(error, LeaseLostError):
                 raise  # the run belongs to another driver now: write nothing more to it
-            if self.state is ControllerState.INTERRUPTED:
-                self._interrupted()
-            self._record(self.run.end_attempt, mf.ERRORED, error)
-            if not isinstance(error, Exception) or self.policy.decide(error) is FailureDecision.RAISE:
-                self.state = ControllerState.ERRORED
-                self._record(self.run.finish, mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
+            if self._gives_up(error, attempt):
                 if not isinstance(error, Exception):
                     raise
                 raise _failed(error,
                     f"training failed in attempt {attempt} of run {self.run.path!r}: {_first_line(error)}\n"
                     f"The run and its checkpoints are kept. After fixing the cause, continue it with "
                     f"{self.restore_hint}") from error
-            self.state = ControllerState.RESTARTING
+            return False
+        group.shutdown()
+        if isinstance(self.state, states.Stopping) and self.state.stopped:
+            self._interrupted()
+        self.run.end_attempt(mf.FINISHED)
+        self.run.finish(mf.FINISHED)
+        self._transition(states.Finished())
+        return True
+
+    def _start(self, group: WorkerGroup, resume: Marker | None, attempt: int) -> None:
+        """Start the ranks of attempt `attempt` on `group`, resuming from `resume` if given."""
+        self._cold = True
+        probe = self.run.write_probe(PROBE) if group.spans_machines else None
+        group.start(functools.partial(self._payload, resume, probe))
+        self._started = time.monotonic()
+        self._transition(states.Running(attempt))
+
+    def _shut_down_failed(self, group: WorkerGroup) -> None:
+        """Kill a failed attempt's group; when it warmed up for a restart, keep what it prepared
+        for the next group (replacing an older group kept warm)."""
+        group.shutdown(kill=True, keep_warm=not self._cold)
+        if not self._cold:
+            if self._warm is not None:
+                self._warm.shutdown(kill=True)
+            self._warm = group
+
+    def _gives_up(self, error: BaseException, attempt: int) -> bool:
+        """Close failed attempt `attempt`; ask the failure policy: False to restart, True (run closed)
+        to raise `error`. Raises TrainingInterruptedError when a second signal stopped the workers."""
+        if isinstance(self.state, states.Interrupted):
+            self._interrupted()
+        self._record(self.run.end_attempt, mf.ERRORED, error)
+        if isinstance(error, Exception) and self.policy.decide(error) is FailureDecision.RETRY:
+            self._transition(states.Restarting(attempt, error))
             log.warning("run %s: attempt %d failed (%s); restarting the workers from the latest "
                         "committed checkpoint (failure %d of %s)", self.run.path, attempt,
                         _first_line(error), self.policy.failures,
                         self.run_config.failure_config.max_failures)
             return False
-        group.shutdown()
-        if self._preempted:
-            self._interrupted()
-        self.run.end_attempt(mf.FINISHED)
-        self.run.finish(mf.FINISHED)
-        self.state = ControllerState.FINISHED
+        self._transition(states.Errored(error))
+        self._record(self.run.finish, mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED)
         return True
 
     def _record(self, step: Callable[..., None], *args: Any) -> None:
@@ -178,7 +198,8 @@ class Controller:
 
     def _interrupted(self) -> None:
         """Close the attempt and the run as INTERRUPTED and raise with the restore hint."""
-        self.state = ControllerState.INTERRUPTED
+        if not isinstance(self.state, states.Interrupted):  # a second signal made it so already
+            self._transition(states.Interrupted(self.interrupts.signal_name))
         if self.run.attempt is not None and self.run.attempt.ended_at is None:
             self.run.end_attempt(mf.INTERRUPTED)
         self.run.finish(mf.INTERRUPTED)
@@ -315,12 +336,12 @@ class Controller:
         count = self.interrupts.count  # once: another signal may land while this one is logged
         if count <= seen:
             return seen
-        if count > 1 or self.state is ControllerState.STOPPING:
+        if count > 1 or isinstance(self.state, states.Stopping):
             log.warning("run %s: %s again: stopping the workers now", self.run.path,
                         self.interrupts.signal_name)
-            self.state = ControllerState.INTERRUPTED
+            self._transition(states.Interrupted(self.interrupts.signal_name))
             raise _StopNow
-        self.state = ControllerState.STOPPING
+        self._transition(states.Stopping(self.run.attempt.number, self.interrupts.signal_name))
         log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
                     "(send it again to stop at once)", self.run.path, self.interrupts.signal_name)
         return count
@@ -353,41 +374,66 @@ class Controller:
 
     def _complete_round(self, group: WorkerGroup, rounds: ReportRounds, iteration: int,
                         by_rank: dict[int, Report]) -> None:
-        files = [by_rank[r].files for r in sorted(by_rank) if by_rank[r].files is not None]
-        pending = {r for r, m in by_rank.items() if m.pending}
-        name = round_name(iteration, {r: m.name for r, m in by_rank.items()
-                                      if m.files is not None or m.pending})
-        row = self.run.record(iteration, by_rank[0].metrics, name if files or pending else None)
-        metrics = [by_rank[r].metrics for r in sorted(by_rank)]
-        # With a save pending, committed once the ranks' background writes are durable (`_commit_async`).
-        marker = self.run.commit_checkpoint(iteration, files, row, name) if files and not pending else None
-        staged = {r: m.files for r, m in by_rank.items() if m.files is not None}
-        ready = self._saves.round(PendingCommit(iteration, name, row, metrics, staged, pending, marker))
-        if ready is not None:
-            self._commit_async(group, rounds, ready)
-        if self._cold and time.monotonic() - self._started >= WARM_UP_AFTER_S and self.policy.can_retry():
-            self._cold = False
-            group.warm_up()  # the ranks are in their loop: get a restart ready in the background
-        stop, checkpoint = _stop_met(self.run_config.stop, row), False
-        if self.state is ControllerState.STOPPING:
-            if self._asked_at is None:
-                self._asked_at = iteration
-                checkpoint = True
-            else:
-                stop = self._preempted = True
-                if not files and not pending:
-                    latest = self.run.checkpoints.latest
-                    log.warning("run %s: the training loop did not attach a checkpoint to report %d when "
-                                "asked (train.get_context().should_checkpoint() was true); a restore "
-                                "resumes from %s", self.run.path, iteration,
-                                latest.name if latest else "the start")
-        reply = Reply(stop=stop, checkpoint=checkpoint)
+        """Every rank reported round `iteration`: record it, get a restart ready once the attempt
+        has run a while, and reply to each rank whether to checkpoint or stop."""
+        row, saved = self._record_round(group, rounds, iteration, by_rank)
+        self._warm_up_when_due(group)
+        reply = self._reply(iteration, row, saved)
         for rank in sorted(by_rank):
             group.send(rank, reply)
         if self.run_config.verbose >= 2:
             log.info("run %s: %s", self.run.manifest.name,
                      {k: v for k, v in row.items() if k not in ("timestamp",)})
 
+    def _record_round(self, group: WorkerGroup, rounds: ReportRounds, iteration: int,
+                      by_rank: dict[int, Report]) -> tuple[dict[str, Any], bool]:
+        """Record the round's metric row (rank 0's metrics) and settle its checkpoint when
+        ranks saved one. Returns (the row, whether the round has a checkpoint)."""
+        staged = {r: m.files for r, m in by_rank.items() if m.files is not None}  # written already
+        pending = {r for r, m in by_rank.items() if m.pending}  # still writing in the background
+        saved = bool(staged or pending)
+        name = round_name(iteration, {r: by_rank[r].name for r in staged.keys() | pending})  # of those saving
+        row = self.run.record(iteration, by_rank[0].metrics, name if saved else None)
+        metrics = [by_rank[r].metrics for r in sorted(by_rank)]
+        self._settle_checkpoint(group, rounds, PendingCommit(iteration, name, row, metrics, staged, pending))
+        return row, saved
+
+    def _settle_checkpoint(self, group: WorkerGroup, rounds: ReportRounds, commit: PendingCommit) -> None:
+        """Commit a recorded round's checkpoint now when every rank wrote its files (a synchronous
+        save); with a save pending, once the ranks' background writes are durable (`_commit_async`),
+        now if their `Staged` came first. Every round goes through `_saves` (callbacks, in order)."""
+        if commit.files and not commit.waiting:
+            commit.marker = self.run.commit_checkpoint(commit.iteration, commit.per_rank_files(),
+                                                       commit.row, commit.name)
+        ready = self._saves.round(commit)
+        if ready is not None:
+            self._commit_async(group, rounds, ready)
+
+    def _warm_up_when_due(self, group: WorkerGroup) -> None:
+        """Once the attempt has run WARM_UP_AFTER_S and a failure would be retried, have the
+        group get a restart ready in the background (the ranks are in their loop by now)."""
+        if self._cold and time.monotonic() - self._started >= WARM_UP_AFTER_S and self.policy.can_retry():
+            self._cold = False
+            group.warm_up()
+
+    def _reply(self, iteration: int, row: dict[str, Any], saved: bool) -> Reply:
+        """The reply to round `iteration`: stop when its row meets `RunConfig.stop`; while Stopping
+        for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint)."""
+        stop = _stop_met(self.run_config.stop, row)
+        state = self.state
+        if not isinstance(state, states.Stopping):
+            return Reply(stop=stop, checkpoint=False)
+        if state.asked_at is None:
+            self._transition(state.asking_at(iteration))
+            return Reply(stop=stop, checkpoint=True)
+        self._transition(state.stopping_workers())
+        if not saved:
+            latest = self.run.checkpoints.latest
+            log.warning("run %s: the training loop did not attach a checkpoint to report %d when "
+                        "asked (train.get_context().should_checkpoint() was true); a restore "
+                        "resumes from %s", self.run.path, iteration,
+                        latest.name if latest else "the start")
+        return Reply(stop=True, checkpoint=False)
 
     def _commit_async(self, group: WorkerGroup, rounds: ReportRounds, save: PendingCommit) -> None:
         """Commit an asynchronous save whose files every rank made durable, and tell the ranks

@@ -77,7 +77,7 @@ class Checkpoint:
         every rank's shards, with no process group: for evaluating or exporting a model in one
         plain process, `model.load_state_dict(checkpoint.to_state_dict()["model"])`. It needs
         memory for the whole model. See docs/large-models.md."""
-        from unbroken.worker.train_state import load_full_state
+        from unbroken.state.state_file import load_full_state
 
         with self.as_directory() as d:
             return load_full_state(d)

@@ -20,7 +20,8 @@ from typing import Any
 
 from unbroken.core import faults
 from unbroken.errors import CheckpointConflictError, CheckpointNameError, TornCheckpointError
-from unbroken.store.storage import Storage, is_full
+from unbroken.store.storage import Storage
+from unbroken.store.storage_errors import is_full
 
 MARKER = ".checkpoint.json"
 MARKER_VERSION = 1

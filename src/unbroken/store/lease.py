@@ -16,7 +16,8 @@ import uuid
 
 from unbroken.errors import LeaseHeldError, LeaseLostError
 from unbroken.store.manifest import META_DIR
-from unbroken.store.storage import CREATE, PreconditionFailed, Storage
+from unbroken.store.storage import CREATE, Storage
+from unbroken.store.storage_errors import PreconditionFailed
 
 log = logging.getLogger("unbroken")
 

@@ -1,34 +1,37 @@
 """The run manifest, `.unbroken/run.json`: what the run is and where it stands.
 
 It is replaced atomically and carries a generation number; the previous generation is
-kept in `run.prev.json` and used, with a warning, when the newest one does not load.
+kept in `run.prev.json` and used, with a warning, when the newest one does not load. The
+fields and the save/load logic it shares with the sweep manifest live in manifest_base.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
-from unbroken import __version__
-from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
+from unbroken.errors import RunNotFoundError
+from unbroken.store.manifest_base import (
+    META_DIR,
+    Manifest,
+    has_generation,
+    known_fields,
+    load_newest,
+    new_id,
+    versioned_fields,
+    write_generation,
+)
+from unbroken.store.manifest_base import remove_stale_temps as remove_stale_temps
 from unbroken.store.storage import Storage
-
-T = TypeVar("T")
-
-log = logging.getLogger("unbroken")
 
 # 2: pickled arguments are one file each under .unbroken/pickled/; 1 kept them in one pickled
 # dict, .unbroken/trainer.pkl (still read, see restore.SavedPickles).
 SCHEMA_VERSION = 2
 PICKLED_FILES_SINCE = 2
-META_DIR = ".unbroken"
 RUN_JSON = f"{META_DIR}/run.json"
 RUN_PREV_JSON = f"{META_DIR}/run.prev.json"
+RUN_FILES = (RUN_JSON, RUN_PREV_JSON)  # current and previous generation
 
 RUNNING, FINISHED, ERRORED, INTERRUPTED = "RUNNING", "FINISHED", "ERRORED", "INTERRUPTED"
 ABORTED = "ABORTED"  # an attempt whose driver died (e.g. SIGKILL) before it could record an end
@@ -57,8 +60,7 @@ class Attempt:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        return cls(**known_fields(cls, raw))
 
 
 def config_change_lines(change: dict[str, dict[str, Any]]) -> list[str]:
@@ -70,8 +72,9 @@ def config_change_lines(change: dict[str, dict[str, Any]]) -> list[str]:
 
 
 @dataclass
-class RunManifest:
-    """Contents of run.json. Field names are the on-disk format; see docs/storage-format.md."""
+class RunManifest(Manifest):
+    """Contents of run.json. Field names are the on-disk format; see docs/storage-format.md.
+    The creation and update times, generation and versions come from Manifest."""
 
     name: str
     trainer_class: str
@@ -87,15 +90,11 @@ class RunManifest:
     attempts: list[Attempt] = field(default_factory=list)
     latest_checkpoint: str | None = None
     best_checkpoints: list[str] = field(default_factory=list)
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created_at: float = field(default_factory=time.time)
-    updated_at: float = 0.0
-    generation: int = 0
-    schema_version: int = SCHEMA_VERSION
-    package_version: str = __version__
+    run_id: str = field(default_factory=new_id)
+    schema_version: int = field(default=SCHEMA_VERSION, kw_only=True)
 
     def to_bytes(self) -> bytes:
-        raw = asdict(self)
+        raw = self.to_dict()
         for attempt in raw["attempts"]:
             for optional in ("config_change", "jit_checkpoint"):
                 if attempt[optional] is None:
@@ -113,89 +112,26 @@ class RunManifest:
         return len(self.attempts)
 
 
-def remove_stale_temps(storage: Storage) -> None:
-    """Remove the atomic-write temps a killed driver left in a run or sweep directory and its
-    metadata directory. Call right after taking the lease, before writing anything."""
-    for where in ("", META_DIR):
-        storage.remove_stale_temps(where)
-
-
 def is_run_dir(storage: Storage) -> bool:
-    return storage.exists(RUN_JSON) or storage.exists(RUN_PREV_JSON)
+    """True if `storage` is a run directory (it has a run manifest, either generation)."""
+    return has_generation(storage, RUN_FILES)
 
 
 def load(storage: Storage) -> RunManifest:
     """Load the newest valid generation; raise a specific error if none is valid."""
-    where = storage.url()
-    if not storage.exists():
-        raise RunNotFoundError(f"no run at {where!r}: the path does not exist. "
-                               "Hint: check the path; a run is <storage_path>/<name>")
-    if not storage.isdir():
-        raise RunNotFoundError(f"{where!r} is a file, not a run directory. "
-                               "Hint: pass the run's directory, <storage_path>/<name>")
-    manifest, problems = read_newest(storage, (RUN_JSON, RUN_PREV_JSON), RunManifest.from_bytes, "run")
-    if manifest is not None:
-        return manifest
-    if all(p.endswith("is missing") for p in problems):
-        raise RunNotFoundError(
-            f"no run at {where!r}: it has no {RUN_JSON}. Hint: pass a run directory "
-            "(<storage_path>/<name>), or start a new run there with fit()")
-    raise CorruptRunError(f"run {where!r} cannot be read: {'; '.join(problems)}. Hint: restore "
-                          "run.json from a backup; checkpoints in the directory are untouched")
+    return load_newest(storage, RUN_FILES, RunManifest.from_bytes, "run",
+                       missing_hint="check the path; a run is <storage_path>/<name>",
+                       not_a_dir=RunNotFoundError, none_here=_no_run,
+                       untouched="checkpoints in the directory are untouched")
+
+
+def _no_run(storage: Storage) -> RunNotFoundError:
+    """The error for a directory that holds no run manifest."""
+    return RunNotFoundError(
+        f"no run at {storage.url()!r}: it has no {RUN_JSON}. Hint: pass a run directory "
+        "(<storage_path>/<name>), or start a new run there with fit()")
 
 
 def save(storage: Storage, manifest: RunManifest, previous: bytes | None) -> bytes:
     """Write a new generation; `previous` (the bytes last written) becomes the fallback."""
-    return write_generation(storage, (RUN_JSON, RUN_PREV_JSON), manifest, previous)
-
-
-# -- shared by the run manifest and the sweep manifest -------------------------------------
-def versioned_fields(raw: Any, cls: type, schema: int, where: str, what: str) -> dict[str, Any]:
-    """`raw` (a parsed manifest) restricted to the fields `cls` knows; SchemaVersionError when a
-    newer unbroken wrote it, ValueError when it is not a JSON object."""
-    if not isinstance(raw, dict):
-        raise ValueError("not a JSON object")
-    version = raw.get("schema_version")
-    if isinstance(version, int) and version > schema:
-        raise SchemaVersionError(
-            f"{where} was written with {what} schema {version} (unbroken "
-            f"{raw.get('package_version', '?')}); this unbroken {__version__} reads up to "
-            f"schema {schema}. Hint: upgrade unbroken (pip install -U unbroken)")
-    known = {f.name for f in fields(cls)}
-    return {k: v for k, v in raw.items() if k in known}
-
-
-def read_newest(storage: Storage, rels: tuple[str, str], parse: Callable[[bytes, str], T],
-                what: str) -> tuple[T | None, list[str]]:
-    """The newest generation that parses (`rels` = current, previous), with a warning when it
-    had to fall back, and the problems found; (None, problems) when neither parses."""
-    where = storage.url()
-    problems: list[str] = []
-    for rel in rels:
-        try:
-            manifest = parse(storage.read_bytes(rel), where)
-        except FileNotFoundError:
-            problems.append(f"{rel} is missing")
-            continue
-        except SchemaVersionError:
-            raise
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-            problems.append(f"{rel} is corrupted ({type(e).__name__}: {e})")
-            continue
-        if problems:
-            log.warning("%s %s: %s; using the previous generation (%d) from %s",
-                        what, where, "; ".join(problems), manifest.generation, rel)
-        return manifest, problems
-    return None, problems
-
-
-def write_generation(storage: Storage, rels: tuple[str, str], manifest: Any, previous: bytes | None) -> bytes:
-    """Write `manifest` as a new generation to rels[0]; `previous` (the bytes last written)
-    goes to rels[1] first, as the fallback. Returns the bytes written."""
-    manifest.generation += 1
-    manifest.updated_at = time.time()
-    data = manifest.to_bytes()
-    if previous is not None:
-        storage.write_atomic(rels[1], previous)
-    storage.write_atomic(rels[0], data)
-    return data
+    return write_generation(storage, RUN_FILES, manifest, previous)

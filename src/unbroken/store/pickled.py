@@ -11,13 +11,13 @@ instead of unpickling. Schema 1 runs and sweeps kept them all in one pickled dic
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
 import posixpath
 from collections.abc import Iterable
 from typing import Any
 
-import cloudpickle
-
+from unbroken.core.stable_names import current_module
 from unbroken.errors import PickleRefusedError
 from unbroken.store.manifest import META_DIR, PICKLED_FILES_SINCE, RunManifest
 from unbroken.store.storage import Storage
@@ -54,6 +54,29 @@ def write_pickles(storage: Storage, directory: str, pickles: dict[str, bytes],
     storage.remove_stale_temps(directory)
 
 
+def replace_pickles(storage: Storage, schema_version: Any, directory: str, pickles: dict[str, bytes],
+                    previous: Iterable[str], legacy: str | None = None) -> None:
+    """Save a run's or a sweep's pickled arguments in place of the ones stored: `pickles` under
+    `directory` (`write_pickles`), keeping `previous` (what the manifest still on storage, of
+    `schema_version`, names) until the caller saves the new manifest, and removing the schema 1
+    container `legacy` once the manifest on storage no longer needs it."""
+    current = pickled_files(schema_version)
+    write_pickles(storage, directory, pickles, keep=previous if current else ())
+    if current and legacy is not None and storage.exists(legacy):
+        storage.remove(legacy)  # left by a schema 1 run or sweep that has been rewritten since
+
+
+def loads(blob: bytes) -> Any:
+    """Unpickle cloudpickle bytes, with unbroken's own classes found by their stable module
+    names (`core.stable_names`), so that what a run pickled before a module moved loads."""
+    return _Unpickler(io.BytesIO(blob)).load()
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(current_module(module), name)
+
+
 def pickled_files(schema_version: Any) -> bool:
     """Whether a manifest of this schema keeps its pickles one file each (else one container)."""
     return isinstance(schema_version, int) and schema_version >= PICKLED_FILES_SINCE
@@ -87,12 +110,12 @@ class SavedPickles:
         if not self.allow:
             raise PickleRefusedError(f"{name} would have to be unpickled, and allow_pickle=False")
         if self.legacy is None:
-            return cloudpickle.loads(self.storage.read_bytes(pickle_file(self.directory, name)))
+            return loads(self.storage.read_bytes(pickle_file(self.directory, name)))
         if self._container is None:
             self._container = pickle.loads(self.storage.read_bytes(self.legacy))
         if name not in self._container:
             raise FileNotFoundError(f"{name} is not in {self.legacy}")
-        return cloudpickle.loads(self._container[name])
+        return loads(self._container[name])
 
 
 def refuse_pickles(what: list[str], path: str, call: str, respecify: list[str], notes: str = "",

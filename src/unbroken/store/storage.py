@@ -2,13 +2,13 @@
 
 Every byte unbroken stores goes through this module, local paths included, so object
 stores need no separate code path. On local filesystems writes are fsynced and
-replacements are atomic renames; on object stores a single put is atomic by itself.
+replacements are atomic renames; on object stores a single put is atomic by itself, and
+every call is retried through transient faults (unbroken.store.storage_errors).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -16,7 +16,6 @@ import os
 import posixpath
 import re
 import shutil
-import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,62 +26,25 @@ from fsspec.implementations.local import LocalFileSystem
 
 from unbroken.core import faults
 from unbroken.errors import StorageError, StorageFullError
+from unbroken.store.storage_errors import (
+    PreconditionFailed,
+    call_with_retries,
+    is_full,
+    is_not_implemented,
+    is_precondition_failed,
+)
 
 log = logging.getLogger("unbroken")
 T = TypeVar("T")
 
 _ATOMIC_TEMP = re.compile(r"\.tmp-(\d+)$")
-# How long an object-store operation is retried through transient faults before the run fails.
-RETRY_ENV = "UNBROKEN_STORAGE_RETRY_S"
-DEFAULT_RETRY_S = 120.0
-_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
-              StorageError)
-_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure")
-# Among those libraries' own exception types (not OSError), the ones that mean "try again":
-# a missing credential or a bad parameter is an answer, not a fault.
-_TRANSIENT_NAMES = ("Connect", "Timeout", "Endpoint", "Disconnect", "Reset", "Incomplete", "Throttl",
-                    "SlowDown", "Unavailable", "Payload", "Streaming")
-
 _CHUNK = 8 << 20
-_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 # fsspec protocol -> the package that provides it, for the "not installed" hint.
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
              "abfs": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko"}
 
-
-class PreconditionFailed(Exception):
-    """A conditional write lost: the object was created or changed by someone else."""
-
-
 CREATE = "<create>"  # write_conditional(expect=CREATE): only if the object does not exist yet
-
-
-def _precondition_failed(e: BaseException) -> bool:
-    return "precondition" in str(e).lower().replace("-", "")
-
-
-def _not_implemented(e: BaseException) -> bool:
-    return "notimplemented" in str(e).lower().replace(" ", "")
-
-
-def _transient(e: BaseException) -> bool:
-    """Worth retrying: a network or server fault, not an answer (missing, denied, conflict)."""
-    if isinstance(e, _PERMANENT) or _precondition_failed(e) or _not_implemented(e):
-        return False
-    if isinstance(e, (OSError, TimeoutError, ConnectionError)):
-        return True
-    name = type(e).__name__
-    return type(e).__module__.split(".")[0] in _NETWORK_MODULES and any(t in name for t in _TRANSIENT_NAMES)
-
-
-def retry_budget_s() -> float:
-    return float(os.environ.get(RETRY_ENV, DEFAULT_RETRY_S))
-
-
-def is_full(e: BaseException) -> bool:
-    """Is `e` the filesystem saying it has no space (or quota) left?"""
-    return isinstance(e, OSError) and e.errno in _FULL
 
 
 def format_bytes(n: int | float) -> str:
@@ -188,27 +150,7 @@ class Storage:
         UNBROKEN_STORAGE_RETRY_S seconds. Local filesystems are called once."""
         if self.is_local:
             return fn()
-        deadline, delay, started = None, 0.2, time.monotonic()
-        while True:
-            try:
-                return fn()
-            except Exception as e:
-                if not _transient(e):
-                    raise
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + retry_budget_s()
-                    log.warning("storage %s: %s failed (%s: %s); retrying with backoff for up to %g s",
-                                self.url(), what, type(e).__name__, e, retry_budget_s())
-                if now + delay > deadline:
-                    raise StorageError(
-                        f"storage {self.url()!r} kept failing for {now - started:.0f} s while {what}: "
-                        f"{type(e).__name__}: {e}. Hint: check the endpoint, credentials and network; "
-                        f"committed checkpoints are intact and restore() continues the run once storage "
-                        f"is back ({RETRY_ENV} sets how long to retry)") from e
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                self.fs.invalidate_cache()
+        return call_with_retries(self.fs, self.url(), what, fn)
 
     def _fresh(self, rel: str) -> str:
         """The path of `rel`, with any cached listing dropped (other processes write too)."""
@@ -341,9 +283,9 @@ class Storage:
         try:
             out = self._call(f"writing {rel}", lambda: self.fs.pipe_file(self.path(rel), data, **condition))
         except (FileExistsError, OSError) as e:
-            if isinstance(e, FileExistsError) or _precondition_failed(e):
+            if isinstance(e, FileExistsError) or is_precondition_failed(e):
                 raise PreconditionFailed(str(e)) from None
-            if not _not_implemented(e):
+            if not is_not_implemented(e):
                 raise
             log.warning("storage %s does not support conditional writes; %s is written without "
                         "them (one driver per run is then checked by reading back)", self.url(), rel)

@@ -3,7 +3,8 @@ trial stands.
 
 Like a run's manifest it is replaced atomically and carries a generation number; the
 previous generation is kept in `sweep.prev.json` and used, with a warning, when the newest
-one does not load. Only the sweep driver that holds the sweep's lease writes it.
+one does not load. Only the sweep driver that holds the sweep's lease writes it. The fields
+and the save/load logic it shares with the run manifest live in manifest_base.
 
 Each trial is an ordinary run directory `<sweep>/<trial name>/`; the manifest records the
 trial's stored search-space values (enough to rebuild its config), its status in the sweep
@@ -13,20 +14,23 @@ and its searcher id. A trial's own run.json stays the authority on how far its r
 from __future__ import annotations
 
 import json
-import logging
 import posixpath
-import time
-import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken import __version__
-from unbroken.errors import CorruptRunError, NotASweepError, RunNotFoundError
-from unbroken.store.manifest import META_DIR, read_newest, versioned_fields, write_generation
+from unbroken.errors import NotASweepError
 from unbroken.store.manifest import is_run_dir as is_run_dir
+from unbroken.store.manifest_base import (
+    META_DIR,
+    Manifest,
+    has_generation,
+    known_fields,
+    load_newest,
+    new_id,
+    versioned_fields,
+    write_generation,
+)
 from unbroken.store.storage import Storage
-
-log = logging.getLogger("unbroken")
 
 # 2: the pickled Tuner arguments are one file each under .unbroken/pickled/tuner/, and a Trainer
 # trainable's under .unbroken/pickled/trainable/; 1 kept them in two pickled dicts, tuner.pkl
@@ -34,6 +38,7 @@ log = logging.getLogger("unbroken")
 SCHEMA_VERSION = 2
 SWEEP_JSON = f"{META_DIR}/sweep.json"
 SWEEP_PREV_JSON = f"{META_DIR}/sweep.prev.json"
+SWEEP_FILES = (SWEEP_JSON, SWEEP_PREV_JSON)  # current and previous generation
 TUNER_PICKLED = f"{META_DIR}/pickled/tuner"
 TRAINABLE_PICKLED = f"{META_DIR}/pickled/trainable"
 LEGACY_TUNER_PKL = f"{META_DIR}/tuner.pkl"
@@ -70,8 +75,9 @@ class TrialRecord:
 
 
 @dataclass
-class SweepManifest:
-    """Contents of sweep.json; field names are the on-disk format (docs/sweeps.md)."""
+class SweepManifest(Manifest):
+    """Contents of sweep.json; field names are the on-disk format (docs/sweeps.md). The
+    creation and update times, generation and versions come from Manifest."""
 
     name: str
     seed: int
@@ -88,16 +94,12 @@ class SweepManifest:
     max_concurrent_trials: int | None = None
     total_trials: int = 0
     trials: list[TrialRecord] = field(default_factory=list)
-    sweep_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created_at: float = field(default_factory=time.time)
-    updated_at: float = 0.0
-    generation: int = 0
-    schema_version: int = SCHEMA_VERSION
-    package_version: str = __version__
+    sweep_id: str = field(default_factory=new_id)
+    schema_version: int = field(default=SCHEMA_VERSION, kw_only=True)
 
     def to_bytes(self) -> bytes:
         # Not sort_keys: configs keep the key order of the user's param_space.
-        return json.dumps(asdict(self), indent=1, default=repr).encode()
+        return json.dumps(self.to_dict(), indent=1, default=repr).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> SweepManifest:
@@ -105,9 +107,7 @@ class SweepManifest:
         if not isinstance(raw, dict) or raw.get("kind") != "sweep":
             raise ValueError("not a sweep manifest")
         raw = versioned_fields(raw, cls, SCHEMA_VERSION, f"sweep {where}", "sweep")
-        trial_fields = {f.name for f in fields(TrialRecord)}
-        raw["trials"] = [TrialRecord(**{k: v for k, v in t.items() if k in trial_fields})
-                         for t in raw.get("trials", [])]
+        raw["trials"] = [TrialRecord(**known_fields(TrialRecord, t)) for t in raw.get("trials", [])]
         return cls(**raw)
 
     def trial(self, name: str) -> TrialRecord | None:
@@ -127,28 +127,17 @@ def trial_name(index: int) -> str:
 def is_sweep_dir(storage: Storage) -> bool:
     """True if `storage` is a sweep root (it has a sweep manifest)."""
     try:
-        return storage.exists(SWEEP_JSON) or storage.exists(SWEEP_PREV_JSON)
+        return has_generation(storage, SWEEP_FILES)
     except OSError:
         return False
 
 
 def load(storage: Storage) -> SweepManifest:
     """The newest valid generation of the sweep manifest; a specific error if there is none."""
-    where = storage.url()
-    if not storage.exists():
-        raise RunNotFoundError(f"no sweep at {where!r}: the path does not exist. "
-                               "Hint: a sweep is <storage_path>/<RunConfig name>")
-    if not storage.isdir():
-        raise NotASweepError(f"{where!r} is a file, not a sweep directory. "
-                             "Hint: pass the sweep's directory, <storage_path>/<name>")
-    manifest, problems = read_newest(storage, (SWEEP_JSON, SWEEP_PREV_JSON), SweepManifest.from_bytes,
-                                     "sweep")
-    if manifest is not None:
-        return manifest
-    if all(p.endswith("is missing") for p in problems):
-        raise not_a_sweep(storage)
-    raise CorruptRunError(f"sweep {where!r} cannot be read: {'; '.join(problems)}. Hint: restore "
-                          "sweep.json from a backup; the trial directories are untouched")
+    return load_newest(storage, SWEEP_FILES, SweepManifest.from_bytes, "sweep",
+                       missing_hint="a sweep is <storage_path>/<RunConfig name>",
+                       not_a_dir=NotASweepError, none_here=not_a_sweep,
+                       untouched="the trial directories are untouched")
 
 
 def not_a_sweep(storage: Storage) -> NotASweepError:
@@ -170,7 +159,7 @@ def not_a_sweep(storage: Storage) -> NotASweepError:
 
 def save(storage: Storage, manifest: SweepManifest, previous: bytes | None) -> bytes:
     """Write a new generation; `previous` (the bytes last written) becomes the fallback."""
-    return write_generation(storage, (SWEEP_JSON, SWEEP_PREV_JSON), manifest, previous)
+    return write_generation(storage, SWEEP_FILES, manifest, previous)
 
 
 def summarize(path: str, storage_filesystem: Any = None) -> dict[str, Any]:

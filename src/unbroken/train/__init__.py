@@ -5,6 +5,9 @@ Driver side: configs, trainers, Checkpoint, Result, and the callbacks that obser
 (inside the training function): report, get_checkpoint, get_all_reported_checkpoints,
 get_context, get_dataset_shard, and the `collective` operations. Ray Train V2 scripts port by
 changing their imports; docs/porting-from-ray.md lists each Ray name and what unbroken does.
+
+Layer 6 (public API, with the trainers in `trainer` and opening a run for fit() in
+`open_run`): may import `core`, `state`, `store`, `run`, `worker`, `execution` and `observe`.
 """
 
 from __future__ import annotations

@@ -9,9 +9,12 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from unbroken.core.codec import bind_init_args, qualified_name
 from unbroken.core.config import RunConfig, ScalingConfig
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.execution.controller import Controller
+from unbroken.execution.engine.factory import make_worker_group
+from unbroken.execution.failure_policy import FailurePolicy
 from unbroken.observe.progress import ProgressReporter
 from unbroken.run import restore as rs
 from unbroken.run.callbacks import CallbackList
@@ -20,6 +23,7 @@ from unbroken.store import manifest as mf
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.pickled import SavedPickles
 from unbroken.store.storage import Storage, split_run_url
+from unbroken.train.open_run import default_name, open_run, restore_hint
 from unbroken.worker import session as _session
 from unbroken.worker.backend import Backend
 
@@ -39,7 +43,7 @@ class BaseTrainer:
     def __new__(cls, *args: Any, **kwargs: Any) -> BaseTrainer:
         self = super().__new__(cls)
         try:
-            self._init_args = rs.bind_init_args(cls, args, kwargs)
+            self._init_args = bind_init_args(cls, args, kwargs)
         except TypeError:
             self._init_args = {}  # __init__ reports the bad call itself (or unpickling fills it)
         return self
@@ -50,7 +54,7 @@ class BaseTrainer:
         self.scaling_config = _check_type("scaling_config", scaling_config, ScalingConfig) or ScalingConfig()
         run_config = _check_type("run_config", run_config, RunConfig) or RunConfig()
         if not run_config.name:
-            run_config = dataclasses.replace(run_config, name=rs.default_name(type(self)))
+            run_config = dataclasses.replace(run_config, name=default_name(type(self)))
         self.run_config = run_config
         self.datasets = dict(datasets or {})
         self.resume_from_checkpoint = _check_type("resume_from_checkpoint", resume_from_checkpoint,
@@ -70,12 +74,13 @@ class BaseTrainer:
         Raises TrainingFailedError (with the restore call in its message) when it cannot finish.
         """
         callbacks = _callbacks(self.run_config)  # checks them before anything is written
-        run, finished = rs.open_run(self)
+        run, finished = open_run(self)
         if finished is not None:
             return finished
-        hint = rs.restore_hint(type(self), run.path)
+        hint = restore_hint(type(self), run.path)
         run.callbacks = callbacks.bind(run)
-        Controller(self, run, hint).execute()
+        Controller(self, run, hint, group_factory=make_worker_group,
+                   failure_policy=FailurePolicy(self.run_config.failure_config)).execute()
         self._restore_overrides = frozenset()  # applied; a second fit() returns the stored result
         return Result.from_path(run.path, self.run_config.storage_filesystem)
 
@@ -117,7 +122,7 @@ class BaseTrainer:
             manifest = mf.load(storage)
         except (RunNotFoundError, CorruptRunError, SchemaVersionError, OSError):
             return False
-        return rs.qualified_name(cls) in manifest.trainer_mro
+        return qualified_name(cls) in manifest.trainer_mro
 
 
 class DataParallelTrainer(BaseTrainer):

@@ -8,6 +8,9 @@ Search algorithms are in `unbroken.tune.search`, schedulers in `unbroken.tune.sc
 
 Worker side (inside the trainable): `report`, `get_checkpoint`, `get_context`, the same
 functions as `unbroken.train`'s.
+
+Layer 7 (public API, with its sweep machinery: `tuner`, `saved_sweep`, `sweep_driver`,
+`trial`, `asha`, `search/`): may import every layer below, `unbroken.train` included.
 """
 
 from __future__ import annotations

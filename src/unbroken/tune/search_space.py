@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.core.codec import describe
 from unbroken.errors import SearchSpaceError
-from unbroken.run.restore import describe
 
 SEP = "/"
 # Search-space objects of other libraries, refused with a hint rather than passed on as constants.

@@ -318,50 +318,9 @@ class SweepDriver:
     def execute(self) -> None:
         """Run the queued and newly proposed trials; raise TrainingInterruptedError on a signal."""
         running: dict[str, _Running] = {}
-        forwarded = 0
         with Interrupts() as interrupts:
             try:
-                while True:
-                    self.lease.beat()
-                    if interrupts.count > forwarded:
-                        forwarded = interrupts.count
-                        signum = signal.Signals[interrupts.signal_name or "SIGTERM"]
-                        log.warning("sweep %s: %s received: forwarded to %d running trial(s), which "
-                                    "checkpoint and stop; no new trial starts", self.name, signum.name,
-                                    len(running))
-                        for r in running.values():
-                            try:
-                                os.kill(r.proc.pid, signum)
-                            except ProcessLookupError:
-                                pass
-                    while not forwarded and len(running) < self.concurrency:
-                        record = self._next()
-                        if record is None:
-                            break
-                        started = self._launch(record)
-                        if started is not None:
-                            running[record.name] = started
-                            self._say("%s started (%d running, at most %d) with %s", record.name,
-                                      len(running), self.concurrency, record.config)
-                    if not running:
-                        break
-                    waits: list[Any] = [interrupts]
-                    for r in running.values():
-                        waits.append(r.proc.sentinel)
-                        if r.conn_open:
-                            waits.append(r.conn)
-                    ready = mp.connection.wait(waits, timeout=POLL_S)
-                    if interrupts in ready:
-                        interrupts.drain()
-                    for name, r in list(running.items()):
-                        if r.conn_open and (r.conn in ready or r.proc.sentinel in ready):
-                            self._read(r)
-                        if r.proc.sentinel in ready:
-                            r.proc.join()
-                            if r.conn_open:
-                                self._read(r)
-                            del running[name]
-                            self._collect(r, stopping=bool(forwarded))
+                forwarded = self._run_trials(running, interrupts)
             except BaseException:
                 for r in running.values():
                     r.proc.kill()
@@ -370,6 +329,78 @@ class SweepDriver:
                 raise
         if forwarded:
             self._interrupted(interrupts.signal_name or "a signal")
+        self._finish()
+
+    def _run_trials(self, running: dict[str, _Running], interrupts: Interrupts) -> int:
+        """The driver's loop: beat the lease, forward new signals, start trials while none was
+        forwarded, wait, and record the trials whose processes ended; until no trial runs and
+        none is left to start. Returns how many signals were forwarded (0: none came)."""
+        forwarded = 0
+        while True:
+            self.lease.beat()
+            if interrupts.count > forwarded:
+                forwarded = interrupts.count
+                self._forward(interrupts.signal_name, running)
+            if not forwarded:
+                self._start_trials(running)
+            if not running:
+                return forwarded
+            ready = self._wait(running, interrupts)
+            self._reap(running, ready, stopping=bool(forwarded))
+
+    def _forward(self, signal_name: str | None, running: dict[str, _Running]) -> None:
+        """Pass a SIGTERM or SIGINT on to every running trial (their process groups are their
+        own, so a Ctrl-C reaches them only this way); each checkpoints and stops."""
+        signum = signal.Signals[signal_name or "SIGTERM"]
+        log.warning("sweep %s: %s received: forwarded to %d running trial(s), which "
+                    "checkpoint and stop; no new trial starts", self.name, signum.name, len(running))
+        for r in running.values():
+            try:
+                os.kill(r.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _start_trials(self, running: dict[str, _Running]) -> None:
+        """Start the next trials until `concurrency` run or none is left (a trial whose trainer
+        cannot be built is recorded as ERROR and not counted)."""
+        while len(running) < self.concurrency:
+            record = self._next()
+            if record is None:
+                return
+            started = self._launch(record)
+            if started is not None:
+                running[record.name] = started
+                self._say("%s started (%d running, at most %d) with %s", record.name,
+                          len(running), self.concurrency, record.config)
+
+    def _wait(self, running: dict[str, _Running], interrupts: Interrupts) -> list[Any]:
+        """Block until a trial process ends, a trial sends, or a signal comes (POLL_S at most, so
+        that the lease keeps beating); returns what is ready."""
+        waits: list[Any] = [interrupts]
+        for r in running.values():
+            waits.append(r.proc.sentinel)
+            if r.conn_open:
+                waits.append(r.conn)
+        ready = mp.connection.wait(waits, timeout=POLL_S)
+        if interrupts in ready:
+            interrupts.drain()
+        return ready
+
+    def _reap(self, running: dict[str, _Running], ready: list[Any], stopping: bool) -> None:
+        """Read what the ready trials sent, and record each trial whose process ended (after
+        reading its last messages) and drop it from `running`."""
+        for name, r in list(running.items()):
+            if r.conn_open and (r.conn in ready or r.proc.sentinel in ready):
+                self._read(r)
+            if r.proc.sentinel in ready:
+                r.proc.join()
+                if r.conn_open:
+                    self._read(r)
+                del running[name]
+                self._collect(r, stopping=stopping)
+
+    def _finish(self) -> None:
+        """Record the sweep as FINISHED when every trial is done, else INCOMPLETE, and log the counts."""
         trials = self.manifest.trials
         done = all(t.status in sw.DONE for t in trials) and len(trials) >= self.total
         self.manifest.status = sw.SWEEP_FINISHED if done else sw.SWEEP_INCOMPLETE

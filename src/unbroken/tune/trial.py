@@ -24,10 +24,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.core.codec import init_param_names
 from unbroken.core.config import FailureConfig, RunConfig, ScalingConfig
 from unbroken.core.processes import Carried, die_with_parent
 from unbroken.errors import TrainingInterruptedError
-from unbroken.run import restore as rs
 from unbroken.store import manifest as mf
 from unbroken.store.lease import live_holder
 from unbroken.store.storage import Storage
@@ -67,7 +67,7 @@ def check_param_space_keys(trainable: Any, space: dict[str, Any]) -> None:
     if not isinstance(trainable, BaseTrainer):
         return
     cls = type(trainable)
-    valid = set(rs.init_param_names(cls)) | set(trainable._init_args)
+    valid = set(init_param_names(cls)) | set(trainable._init_args)
     for key in space:
         if key in _RESERVED or key not in valid:
             allowed = sorted(valid - set(_RESERVED))

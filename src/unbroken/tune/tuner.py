@@ -18,34 +18,36 @@ them), `.unbroken/lease.json` and one run directory per trial. The restore rules
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
 import time
 from typing import Any
 
-from unbroken import __version__
 from unbroken.core.config import RunConfig
 from unbroken.errors import (
-    PickleRefusedError,
-    RestoreArgumentError,
     RunExistsError,
     RunNotFoundError,
-    SweepMismatchError,
-    TrainerClassMismatchError,
 )
 from unbroken.execution.engine.factory import check_can_run
-from unbroken.run import restore as rs
+from unbroken.run.identity import identity
 from unbroken.store import manifest as mf
 from unbroken.store import opening
 from unbroken.store import sweep_manifest as sw
-from unbroken.store.pickled import SavedPickles, pickled_files, refuse_pickles, write_pickles
 from unbroken.store.storage import Storage, split_run_url
 from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
 from unbroken.tune.asha import ASHAScheduler
 from unbroken.tune.result_grid import ResultGrid
+from unbroken.tune.saved_sweep import (
+    SavedSweep,
+    amend_tune_config,
+    check_identity,
+    check_same_shape,
+    check_trainable_matches,
+    encode_tuner,
+    write_tuner,
+)
 from unbroken.tune.schedulers import FIFOScheduler
 from unbroken.tune.search.basic_variant import BasicVariantGenerator
 from unbroken.tune.search.searcher import Searcher
@@ -143,7 +145,7 @@ class Tuner:
         restored = self._restored_from is not None
         storage = self._storage()
         path = storage.url()
-        saved = _encode(self)  # fails now if an argument cannot be saved
+        saved = encode_tuner(self)  # fails now if an argument cannot be saved
         if isinstance(self.trainable, BaseTrainer):
             check_can_run(self.trainable.scaling_config)  # e.g. use_gpu=True where no GPU is visible
         total = self._searcher.total(self.param_space, tc.num_samples)
@@ -155,14 +157,14 @@ class Tuner:
             raise RunExistsError(f"{path!r} is a single run, not a sweep; it is left untouched. "
                                  "Hint: give the Tuner's RunConfig another name")
         manifest = opening.existing(SWEEP, storage, exists=exists, restored=restored, resume=rc.resume,
-                                    check_identity=lambda m: _check_identity(m, identity, path))
+                                    check_identity=lambda m: check_identity(m, identity, path))
         if manifest is not None and self._nothing_to_do(storage, manifest, total):
             log.info("sweep %s has nothing left to run; returning its stored results", path)
             return None
 
         with opening.leased(SWEEP, storage, manifest, self._new_manifest,
                             on_failure=self._searcher.close) as (lease, manifest, previous):
-            _write(storage, manifest, saved)
+            write_tuner(storage, manifest, saved)
             manifest.identity = identity
             manifest.searcher = self._searcher.describe()
             manifest.scheduler = self._scheduler.describe() if self._scheduler is not None else None
@@ -220,7 +222,7 @@ class Tuner:
         """What makes a sweep this sweep (compared on auto-resume)."""
         tc, t = self.tune_config, self.trainable
         ident: dict[str, Any] = {
-            "trainable": (rs.identity(type(t), t._init_args) if isinstance(t, BaseTrainer)
+            "trainable": (identity(type(t), t._init_args) if isinstance(t, BaseTrainer)
                           else {"kind": "function"}),
             "param_space": ss.spec(self.param_space),
             "num_samples": tc.num_samples, "metric": self.metric, "mode": self.mode,
@@ -269,21 +271,21 @@ class Tuner:
             raise sw.not_a_sweep(storage)
         manifest = sw.load(storage)
         url = storage.url()
-        loader = _Saved(storage, manifest, url, allow_pickle)
+        loader = SavedSweep(storage, manifest, url, allow_pickle)
         if not allow_pickle:
             loader.check_pickles(trainable is not None, param_space is not None, run_config is not None)
         if trainable is None:
             trainable = loader.trainable()
         else:
-            _check_trainable_matches(manifest, trainable, url)
+            check_trainable_matches(manifest, trainable, url)
         if param_space is not None:
-            _check_same_shape(loader.param_space_shape(), param_space, url)
+            check_same_shape(loader.param_space_shape(), param_space, url)
             space = param_space
         else:
             space = loader.param_space()
         tc = loader.tune_config()
         if tune_config is not None:
-            tc = _amend_tune_config(tc, tune_config, manifest, url)
+            tc = amend_tune_config(tc, tune_config, manifest, url)
         rc = run_config if run_config is not None else (loader.run_config() or RunConfig())
         if not isinstance(rc, RunConfig):
             raise TypeError(f"run_config must be a RunConfig, got {type(rc).__name__}")
@@ -350,243 +352,3 @@ def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: ASHAScheduler | 
         raise ValueError("ASHAScheduler needs a metric and a mode. Hint: TuneConfig(metric='loss', "
                          "mode='min', scheduler=ASHAScheduler(...))")
     return metric, mode
-
-
-# -- saving the Tuner's arguments -----------------------------------------------------------------
-@dataclasses.dataclass
-class _Encoded:
-    params: dict[str, Any]
-    pickles: dict[str, bytes]
-    trainable: dict[str, Any]
-    trainer_pickles: dict[str, bytes] | None
-
-
-def _encode(tuner: Tuner) -> _Encoded:
-    params: dict[str, Any] = {"param_space": {}, "param_space_keys": list(tuner.param_space)}
-    try:  # lets Tuner.restore(param_space=...) check the new one without unpickling the old one
-        params["param_space_shape"] = _shape(tuner.param_space)
-    except (TypeError, ValueError):
-        pass
-    pickles: dict[str, bytes] = {}
-    for key, value in tuner.param_space.items():
-        rs.encode_or_pickle(value, f"param_space[{key!r}] of the Tuner", params["param_space"], pickles, key,
-                            f"param_space/{key}")
-    for name in ("tune_config", "run_config"):
-        rs.encode_or_pickle(getattr(tuner, name), f"{name} of the Tuner", params, pickles, name)
-    t = tuner.trainable
-    if isinstance(t, BaseTrainer):
-        saved = rs.encode_trainer(type(t), t._init_args)
-        return _Encoded(params, pickles, {"kind": "trainer", "name": type(t).__name__, **saved.fields},
-                        saved.pickles)
-    rs.encode_or_pickle(t, "the Tuner's trainable", params, pickles, "trainable")
-    return _Encoded(params, pickles, {"kind": "function", "name": trainable_name(t)}, None)
-
-
-def _write(storage: Storage, manifest: sw.SweepManifest, saved: _Encoded) -> None:
-    """Write the pickled Tuner arguments and a Trainer trainable's pickled arguments, one file
-    each, and fill the manifest (saved by the caller); `manifest` is still the one on storage."""
-    current = pickled_files(manifest.schema_version)
-    keep = manifest.pickled_params if current else ()
-    write_pickles(storage, sw.TUNER_PICKLED, saved.pickles, keep)
-    keep = manifest.trainable.get("pickled_params", []) if current else ()
-    write_pickles(storage, sw.TRAINABLE_PICKLED, saved.trainer_pickles or {}, keep)
-    if current:  # left by a schema 1 sweep that has been rewritten since
-        for legacy in (sw.LEGACY_TUNER_PKL, sw.LEGACY_TRAINER_PKL):
-            if storage.exists(legacy):
-                storage.remove(legacy)
-    manifest.params, manifest.pickled_params = saved.params, sorted(saved.pickles)
-    manifest.trainable = saved.trainable
-    manifest.schema_version, manifest.package_version = sw.SCHEMA_VERSION, __version__
-
-
-def _shape(space: dict[str, Any]) -> dict[str, Any]:
-    """The param_space's shape (search_space.shape) as it reads back from JSON."""
-    return json.loads(json.dumps(ss.shape(space), default=repr))
-
-
-# -- loading it back ------------------------------------------------------------------------------
-class _Saved:
-    """The saved Tuner arguments of a sweep, each decoded or unpickled on its own, and only
-    when needed (with allow=False, never unpickled)."""
-
-    def __init__(self, storage: Storage, manifest: sw.SweepManifest, path: str, allow: bool = True) -> None:
-        self.storage, self.manifest, self.path = storage, manifest, path
-        legacy = not pickled_files(manifest.schema_version)
-        self.pickles = SavedPickles(storage, sw.TUNER_PICKLED, sw.LEGACY_TUNER_PKL if legacy else None,
-                                       allow)
-        self.trainer_pickles = SavedPickles(storage, sw.TRAINABLE_PICKLED,
-                                               sw.LEGACY_TRAINER_PKL if legacy else None, allow)
-
-    def _blob(self, name: str, hint: str) -> Any:
-        try:
-            return self.pickles.load(name)
-        except PickleRefusedError:
-            raise
-        except Exception as e:
-            raise RestoreArgumentError(
-                f"{name} saved with the sweep at {self.path!r} can no longer be loaded "
-                f"({type(e).__name__}: {e}). Hint: re-specify it: "
-                f"Tuner.restore({self.path!r}, {hint})") from None
-
-    def check_pickles(self, trainable_given: bool, space_given: bool, run_config_given: bool) -> None:
-        """For Tuner.restore(allow_pickle=False): PickleRefusedError, before anything is
-        unpickled, if restoring would unpickle anything."""
-        m = self.manifest
-        what, respecify, notes = [], [], []
-        if not trainable_given:
-            t = m.trainable
-            if t.get("kind") == "function":
-                needed = "trainable" in m.pickled_params
-            else:
-                args, cls_needed = rs.pickles_needed(self.trainer_pickles, self._trainer_manifest(),
-                                                     BaseTrainer, {})
-                needed = bool(args) or cls_needed
-            if needed:
-                what.append(f"the trainable {t.get('name')!r}")
-                respecify.append("trainable")
-        keys = [n.split("/", 1)[1] for n in m.pickled_params if n.startswith("param_space/")]
-        if keys and not (space_given and isinstance(m.params.get("param_space_shape"), dict)):
-            what.append(f"the param_space value{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys))}")
-            if space_given:
-                notes.append("this sweep was saved by an older unbroken, which needs the saved param_space "
-                             "to check the new one's keys and search domains")
-            else:
-                respecify.append("param_space")
-        if "tune_config" in m.pickled_params:
-            what.append("the tune_config")
-            notes.append("tune_config cannot be re-specified whole (Tuner.restore(tune_config=...) amends "
-                         "the saved one)")
-        if "run_config" in m.pickled_params and not run_config_given:
-            what.append("the run_config")
-            respecify.append("run_config")
-        call = f"Tuner.restore({self.path!r}{', trainable' if trainable_given else ''}, allow_pickle=False)"
-        refuse_pickles(what, self.path, call, respecify, "; ".join(notes), kind="sweep")
-
-    def _trainer_manifest(self) -> mf.RunManifest:
-        t = self.manifest.trainable
-        return mf.RunManifest(name=self.manifest.name, trainer_class=t["trainer_class"],
-                              trainer_mro=t["trainer_mro"], params=t["params"],
-                              pickled_params=t["pickled_params"], must_respecify=t["must_respecify"],
-                              dataset_names=t["dataset_names"])
-
-    def _decode(self, slot: str, hint: str) -> Any:
-        try:
-            return rs.decode(self.manifest.params[slot])
-        except (ImportError, AttributeError, TypeError) as e:
-            raise RestoreArgumentError(
-                f"{slot} saved with the sweep at {self.path!r} can no longer be loaded "
-                f"({type(e).__name__}: {e}). Hint: re-specify it: "
-                f"Tuner.restore({self.path!r}, {hint})") from None
-
-    def trainable(self) -> Any:
-        t = self.manifest.trainable
-        hint = "trainable=..."
-        if t.get("kind") == "function":
-            if "trainable" in self.manifest.params:
-                return self._decode("trainable", hint)
-            return self._blob("trainable", hint)
-        saved = self._trainer_manifest()
-        try:
-            cls = rs.resolve_class(self.trainer_pickles, saved, BaseTrainer, self.path)
-            return cls(**rs.load_init_args(self.trainer_pickles, saved, cls, {}, self.path))
-        except PickleRefusedError:
-            raise
-        except RestoreArgumentError as e:
-            raise RestoreArgumentError(
-                f"the {t.get('name')} trainable saved with the sweep at {self.path!r} cannot be rebuilt: "
-                f"{str(e).split(' Hint:')[0]} Hint: pass it again: Tuner.restore({self.path!r}, "
-                f"trainable={t.get('name')}(...))") from None
-
-    def param_space(self) -> dict[str, Any]:
-        params = self.manifest.params
-        space = {}
-        for key in params.get("param_space_keys", list(params.get("param_space", {}))):
-            if key in params.get("param_space", {}):
-                space[key] = rs.decode(params["param_space"][key])
-            else:
-                space[key] = self._blob(f"param_space/{key}", "param_space={...}")
-        return space
-
-    def param_space_shape(self) -> dict[str, Any]:
-        """The saved param_space's shape: stored as JSON since schema 2, else computed."""
-        stored = self.manifest.params.get("param_space_shape")
-        return stored if isinstance(stored, dict) else _shape(self.param_space())
-
-    def tune_config(self) -> TuneConfig:
-        if "tune_config" in self.manifest.params:
-            return self._decode("tune_config", "tune_config=TuneConfig(...)")
-        return self._blob("tune_config", "tune_config=TuneConfig(...)")
-
-    def run_config(self) -> RunConfig | None:
-        if "run_config" in self.manifest.params:
-            return self._decode("run_config", "run_config=RunConfig(...)")
-        if "run_config" in self.manifest.pickled_params:
-            return self._blob("run_config", "run_config=RunConfig(...)")
-        return None
-
-
-# -- restore checks -------------------------------------------------------------------------------
-def _check_identity(manifest: sw.SweepManifest, identity: dict[str, Any], path: str) -> None:
-    lines = rs.identity_diff(manifest.identity, identity)
-    if not lines:
-        return
-    diff = "\n".join(lines)
-    raise SweepMismatchError(
-        f"the sweep at {path!r} was started with a different configuration:\n{diff}\n"
-        f"Hint: to extend it with more samples on purpose, call Tuner.restore({path!r}, trainable, "
-        "tune_config=TuneConfig(num_samples=...)).fit(); param_space values (not its keys or search "
-        "domains) may be re-specified with Tuner.restore(path, trainable, param_space=...); to start a "
-        "separate sweep, give RunConfig a new name.")
-
-
-def _check_trainable_matches(manifest: sw.SweepManifest, trainable: Any, path: str) -> None:
-    check_trainable(trainable)
-    saved = manifest.trainable
-    if saved.get("kind") == "function" and isinstance(trainable, BaseTrainer):
-        raise TrainerClassMismatchError(
-            f"the sweep at {path!r} was started with the function {saved.get('name')}, not a Trainer. "
-            f"Hint: Tuner.restore({path!r}, trainable={saved.get('name')})")
-    if saved.get("kind") == "trainer":
-        name = rs.qualified_name(type(trainable)) if isinstance(trainable, BaseTrainer) else None
-        if name != saved.get("trainer_class"):
-            raise TrainerClassMismatchError(
-                f"the sweep at {path!r} was started with a {saved.get('trainer_class')} trainable, not "
-                f"{name or 'a function'}. Hint: Tuner.restore({path!r}, trainable={saved.get('name')}(...))")
-
-
-def _check_same_shape(saved: dict[str, Any], given: dict[str, Any], path: str) -> None:
-    """`saved` is the saved param_space's shape (_shape), `given` the new param_space."""
-    if not isinstance(given, dict):
-        raise TypeError(f"param_space must be a dict, got {type(given).__name__}")
-    ss.leaves(given)
-    lines = rs.identity_diff(saved, _shape(given))
-    if lines:
-        raise SweepMismatchError(
-            f"Tuner.restore({path!r}, param_space=...) may re-specify values, but not change the keys or "
-            "search domains of the param_space:\n" + "\n".join(lines) + "\nHint: keep the keys and "
-            "domains, or start a separate sweep with a new RunConfig name")
-
-
-def _amend_tune_config(saved: TuneConfig, given: TuneConfig, manifest: sw.SweepManifest,
-                       path: str) -> TuneConfig:
-    if given.num_samples < saved.num_samples:
-        raise SweepMismatchError(
-            f"the sweep at {path!r} has num_samples={saved.num_samples}; a sweep can grow but not shrink "
-            f"(got {given.num_samples}). Hint: TuneConfig(num_samples>={saved.num_samples})")
-    out = dataclasses.replace(saved, num_samples=given.num_samples)
-    if given.max_concurrent_trials is not None:
-        out.max_concurrent_trials = given.max_concurrent_trials
-    if given.seed is not None and given.seed != manifest.seed:
-        raise SweepMismatchError(f"the sweep at {path!r} was seeded with {manifest.seed}; got "
-                                 f"seed={given.seed}. Hint: leave TuneConfig.seed unset when restoring")
-    for attr in ("metric", "mode", "search_alg", "scheduler"):
-        value = getattr(given, attr)
-        if value is None:
-            continue
-        if rs.describe(value) != rs.describe(getattr(saved, attr)):
-            raise SweepMismatchError(
-                f"the sweep at {path!r} was started with TuneConfig({attr}={getattr(saved, attr)!r}); "
-                f"Tuner.restore(tune_config=...) got {attr}={value!r}. Hint: only num_samples and "
-                f"max_concurrent_trials may change; leave {attr} unset (None) to keep the saved one")
-        setattr(out, attr, value)
-    return out

@@ -23,7 +23,7 @@ state a checkpoint of report k would hold, provided nothing has changed it since
    offers while a lower armed rank still runs is told not to save: its exit releases the
    lower rank from any collective it is blocked in, which then offers in turn (rank 0's
    plain values are the ones a periodic checkpoint holds). The driver waits for offers at
-   most `OFFER_WAIT_S` (a rank blocked for good, e.g. with a peer on a lost node, is not
+   most `jit_coordinator.OFFER_WAIT_S` (a rank blocked for good, e.g. with a peer on a lost node, is not
    waited for) and for the save at most `SAVE_WAIT_S` or until the saver dies.
 5. Save (the chosen rank): the random state of every rank from the seeded streams, then
    `train_state.pt` from the live and copied state, into the staging area of checkpoint k
@@ -38,34 +38,33 @@ stays the resume point and the next attempt removes the leftover. There is no ju
 checkpoint, and the run falls back to the last periodic one, when a step began since the
 last report, when the model is sharded (FSDP2, tensor parallelism: no rank holds the whole
 state), or when no rank could offer in time.
+
+This module is the worker's half (steps 1, 2, 3 and 5); the driver's half (4 and 6's
+waiting) is `unbroken.execution.jit_coordinator`, so that the driver does not import torch
+for it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unbroken.core import faults
-from unbroken.errors import WorkerDied
 from unbroken.state.sample_seed import sample_seed, seed_generators
+from unbroken.state.state_file import build_payload, capture_rng, restore_rng, unwrap, write_files
 from unbroken.store.commit import FileEntry, staging_name, write_rank_files
+from unbroken.worker import session as session_mod
 from unbroken.worker.protocol import JitArmed, JitOffer, JitSave, JitSaved
 
 if TYPE_CHECKING:
     from unbroken.worker.session import Session
     from unbroken.worker.train_state import TrainState
 
-# How long the driver waits for the ranks still running to offer once the failure is final.
-OFFER_WAIT_S = 2.0
-# How long the driver waits for the chosen rank's save (less if that rank dies).
-SAVE_WAIT_S = 60.0
 # Keeps the step streams apart from the per-sample seeds of the same seed.
 _STREAM_SALT = 0x6A69745F73746570
 
@@ -126,8 +125,6 @@ class Tracker:
     the state of its last report after a failure (one per process: the latest one built)."""
 
     def __init__(self, state: TrainState, step_seed: int, rank: int) -> None:
-        from unbroken.worker.train_state import _unwrap
-
         self.state = state
         self.step_seed = step_seed
         self.rank = rank
@@ -138,7 +135,7 @@ class Tracker:
         self.values: dict[str, Any] = {}
         self.live: set[str] = set()
         for name, obj in state._objects.items():
-            module = _unwrap(obj) if name == "model" else obj
+            module = unwrap(obj) if name == "model" else obj
             if isinstance(module, torch.nn.Module):
                 self.buffers[name] = _Buffers(module)
                 self.live.add(name)
@@ -177,12 +174,10 @@ class Tracker:
 
     def state_dicts(self) -> dict[str, Any]:
         """Every object's state_dict as it was at the last report."""
-        from unbroken.worker.train_state import _unwrap
-
         out = {}
         for name, obj in self.state._objects.items():
             if name in self.buffers:
-                module = _unwrap(obj) if name == "model" else obj
+                module = unwrap(obj) if name == "model" else obj
                 out[name] = self.buffers[name].overlay(module.state_dict())
             elif name in self.live:
                 out[name] = obj.state_dict()
@@ -194,8 +189,6 @@ class Tracker:
 def arm(state: TrainState, step_seed: int) -> None:
     """Inside a run: track `state` for just-in-time checkpoints in this rank (the session calls
     it after every report) and tell the driver. The latest TrainState armed is the one saved."""
-    from unbroken.worker import session as session_mod
-
     session = session_mod._current
     if session is None:
         return
@@ -254,121 +247,18 @@ def save(session: Session, tracker: Tracker, iteration: int) -> list[FileEntry]:
 
 def _write_rng_files(directory: str, tracker: Tracker, iteration: int, world_size: int) -> None:
     """Each rank's generators as its stream after report `iteration` left them."""
-    from unbroken.worker.train_state import capture_rng, restore_rng, rng_file
-
     generators = tracker.state._generators
-    mine = capture_rng(), {name: g.get_state() for name, g in generators.items()}
+    mine = capture_rng(generators)
     try:
         for rank in range(world_size):
             seed_step(tracker.step_seed, rank, iteration, generators)
-            rng = capture_rng()
-            rng["generators"] = {name: g.get_state() for name, g in generators.items()}
-            torch.save(rng, os.path.join(directory, rng_file(rank)))
+            write_files(directory, rank, None, capture_rng(generators))
     finally:
-        restore_rng(mine[0])
+        restore_rng(mine)
         for name, g in generators.items():
-            g.set_state(mine[1][name])
+            g.set_state(mine["generators"][name])
 
 
 def _write_state_file(directory: str, tracker: Tracker, world_size: int) -> None:
     """`train_state.pt` as the checkpoint of the last report would hold it."""
-    from unbroken.worker.train_state import FORMAT_VERSION, STATE_FILE
-
-    payload = {"format": FORMAT_VERSION, "world_size": world_size, "torch_version": str(torch.__version__),
-               "state_dicts": tracker.state_dicts(), "values": tracker.values}
-    torch.save(payload, os.path.join(directory, STATE_FILE))
-
-
-# -- driver side -----------------------------------------------------------------------------------
-class Coordinator:
-    """The driver's side for one attempt: which ranks are armed, their offers, the saver."""
-
-    def __init__(self) -> None:
-        self.armed: set[int] = set()
-        self.offers: dict[int, JitOffer] = {}
-        self.answered: set[int] = set()
-        self.dead: set[int] = set()
-        self.saver: int | None = None
-        self.saved: JitSaved | None = None
-        self.reasons: list[str] = []  # why ranks could not save, for the attempt record
-        self.closed = False
-
-    def take(self, group: Any, rank: int, message: Any) -> None:
-        """A JIT message from `rank` (JitArmed, JitOffer, JitSaved)."""
-        if isinstance(message, JitArmed):
-            self.armed.add(rank)
-        elif isinstance(message, JitOffer):
-            self.offers[rank] = message
-            if message.iteration is None:
-                self.reasons.append(f"rank {rank}: {message.reason}")
-            if self.closed or message.iteration is None:
-                self._answer(group, rank, None)
-        elif isinstance(message, JitSaved) and rank == self.saver:
-            self.saved = message
-
-    def _answer(self, group: Any, rank: int, iteration: int | None) -> None:
-        if rank not in self.answered:
-            self.answered.add(rank)
-            group.send(rank, JitSave(iteration))
-
-    def choose(self, group: Any, target: int | None, running: set[int]) -> None:
-        """Pick the saver among the offers of checkpoint `target`, or release the offering
-        ranks: the lowest valid offer wins once no lower armed rank is still `running`."""
-        for rank in sorted(self.offers):
-            offer = self.offers[rank]
-            if rank in self.answered or offer.iteration is None:
-                continue
-            if self.saver is not None or offer.iteration != target:
-                if target is not None and offer.iteration != target:
-                    self.reasons.append(f"rank {rank}: its round {offer.iteration} is not complete")
-                self._answer(group, rank, None)
-            elif any(r < rank for r in running & self.armed):
-                self._answer(group, rank, None)  # exiting releases the lower ranks blocked with it
-            else:
-                self.saver = rank
-                self._answer(group, rank, target)
-
-    def waiting_for(self, running: set[int]) -> str | None:
-        """What the driver still waits for ("offers", "save"), or None when it is settled."""
-        if self.saver is not None:
-            return None if self.saved is not None or self.saver in self.dead else "save"
-        return "offers" if running & self.armed else None
-
-    def close(self, group: Any) -> None:
-        """Settled: every rank still waiting for a word is told not to save."""
-        self.closed = True
-        for rank in self.offers:
-            self._answer(group, rank, None)
-
-
-def settle(coordinator: Coordinator, group: Any, target: int | None, running: Callable[[], set[int]],
-           events: Callable[[float], Iterator[tuple[int, Any]]]) -> JitSaved | None:
-    """Run steps 4 and 5 from the driver: choose a saver for checkpoint `target`, wait (within
-    the bounds) for its save, and return what it staged (None: no checkpoint, see `reasons`).
-    `running()`: the ranks that may still offer; `events(timeout)`: the group's next events,
-    each already taken by the controller."""
-    start = time.monotonic()
-    while True:
-        coordinator.choose(group, target, running())
-        waiting = coordinator.waiting_for(running())
-        if waiting is None:
-            break
-        limit = start + (OFFER_WAIT_S if waiting == "offers" else SAVE_WAIT_S)
-        left = limit - time.monotonic()
-        if left <= 0:
-            coordinator.reasons.append(
-                f"no rank offered within {OFFER_WAIT_S:g} s (ranks {sorted(running() & coordinator.armed)} "
-                "still running, perhaps blocked in a collective)" if waiting == "offers" else
-                f"rank {coordinator.saver} did not finish saving within {SAVE_WAIT_S:g} s")
-            break
-        for rank, message in events(min(left, 0.5)):
-            if isinstance(message, WorkerDied):
-                coordinator.dead.add(rank)
-                if rank == coordinator.saver and coordinator.saved is None:
-                    coordinator.reasons.append(f"rank {rank} died while saving")
-    coordinator.close(group)
-    saved = coordinator.saved
-    if saved is not None and saved.files is None:
-        coordinator.reasons.append(f"rank {coordinator.saver} could not save: {saved.error}")
-        return None
-    return saved
+    write_files(directory, 0, build_payload(tracker.state_dicts(), tracker.values, world_size), None)

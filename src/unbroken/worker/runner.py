@@ -18,9 +18,9 @@ from typing import Any
 import cloudpickle
 
 from unbroken.errors import StorageNotSharedError
-from unbroken.execution.engine.base import Channel
 from unbroken.worker import jit as jit_checkpoint
 from unbroken.worker import session as session_mod
+from unbroken.worker.channel import Channel
 from unbroken.worker.protocol import Done, Failed, Outcome, Rendezvous
 from unbroken.worker.session import Session, StopTraining, WorkerInfo
 

@@ -11,7 +11,6 @@ the background (`async_save`).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import pickle
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from unbroken.core import faults
+from unbroken.core.codec import is_dataset_builder
 from unbroken.errors import TornCheckpointError
 from unbroken.store import return_value
 from unbroken.store.checkpoint import Checkpoint
@@ -39,7 +39,7 @@ from unbroken.worker.protocol import Committed, Reply, Report
 from unbroken.worker.report_config import ReportedCheckpoint
 
 if TYPE_CHECKING:
-    from unbroken.execution.engine.base import Channel
+    from unbroken.worker.channel import Channel
     from unbroken.worker.jit import Tracker
 
 
@@ -353,12 +353,6 @@ def _move_aside(path: str, iteration: int) -> str:
     aside = f"{path.rstrip(os.sep)}.unbroken-save-{iteration}"
     os.rename(path, aside)
     return aside
-
-
-def is_dataset_builder(obj: Any) -> bool:
-    """A zero-argument function or class that builds a dataset (saved with the run, and called
-    in each worker) rather than a dataset itself (never saved)."""
-    return inspect.isfunction(obj) or isinstance(obj, type)
 
 
 def shard(dataset: Any, rank: int, world_size: int) -> Any:

@@ -28,47 +28,36 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import sys
 import tempfile
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 
-from unbroken import train
 from unbroken.errors import StateMismatchError
+from unbroken.state.state_file import (
+    LOADABLE_SCALARS,
+    STATE_FILE,
+    build_payload,
+    capture_rng,
+    plain_problem,
+    read_payload,
+    restore_rng,
+    rng_file,
+    snapshot,
+    unwrap,
+    write_files,
+)
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import staging_name
 from unbroken.worker import jit as jit_mod
 from unbroken.worker import session as session_mod
 from unbroken.worker.torch_backend import worker_ranks
 
-try:
-    import numpy as _np
-except ImportError:  # pragma: no cover - numpy is optional
-    _np = None
-
 logger = logging.getLogger("unbroken")
 
-FORMAT_VERSION = 1
-# train_state.pt of a checkpoint whose model and optimizer were saved sharded (an older
-# unbroken refuses it instead of loading a state without its model).
-SHARDED_FORMAT_VERSION = 2
-STATE_FILE = "train_state.pt"
 COMPONENTS = ("model", "optimizer", "scheduler", "loader")
-
-_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
-# What torch.load(weights_only=True) accepts, checked at save time so that a checkpoint
-# that could not be loaded is refused when it is written, not when it is needed.
-_LOADABLE_SCALARS = _PLAIN_SCALARS + (torch.Size, torch.dtype, torch.device)
-
-
-def rng_file(rank: int) -> str:
-    """The name of rank `rank`'s RNG file in a TrainState checkpoint."""
-    return f"rng_rank{rank}.pt"
-
 
 def is_sharded(model: Any) -> bool:
     """True when `model` holds sharded parameters (DTensor: FSDP2, tensor parallelism).
@@ -81,45 +70,8 @@ def is_sharded(model: Any) -> bool:
     return any(isinstance(p, tensor_mod.DTensor) for p in model.parameters())
 
 
-def _unwrap(model: Any) -> Any:
-    """The module whose state_dict has the plain parameter names (no DDP or compile prefix)."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _plain_problem(value: Any, where: str, scalars: tuple[type, ...] = _PLAIN_SCALARS) -> str | None:
-    """None if `value` loads back as itself with torch.load(weights_only=True); else what is wrong."""
-    if type(value) in scalars:
-        return None
-    if isinstance(value, torch.Tensor):
-        if type(value).__name__ == "DTensor":
-            return (f"{where} is a DTensor (one shard of a sharded tensor; saved from rank 0 it would "
-                    "hold rank 0's shard only)")
-        return None
-    if type(value) in (list, tuple, set):
-        for i, item in enumerate(value):
-            problem = _plain_problem(item, f"{where}[{i}]", scalars)
-            if problem:
-                return problem
-        return None
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            if type(key) not in scalars:
-                return f"{where} has a key of type {type(key).__name__}"
-            problem = _plain_problem(item, f"{where}[{key!r}]", scalars)
-            if problem:
-                return problem
-        return None
-    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
 
 
 class TrainState:
@@ -194,7 +146,7 @@ class TrainState:
 
     @staticmethod
     def _check_plain(name: str, value: Any) -> None:
-        problem = _plain_problem(value, name)
+        problem = plain_problem(value, name)
         if problem:
             raise TypeError(
                 f"TrainState cannot save {name!r}: {problem}, which is neither a plain value (None, "
@@ -243,7 +195,7 @@ class TrainState:
 
         For a sharded model these hold this rank's shards (DTensors); `save` writes those
         through torch.distributed.checkpoint instead."""
-        return {name: _unwrap(obj).state_dict() if name == "model" else obj.state_dict()
+        return {name: unwrap(obj).state_dict() if name == "model" else obj.state_dict()
                 for name, obj in self._objects.items() if name not in exclude}
 
     def sharded_names(self) -> list[str]:
@@ -251,7 +203,7 @@ class TrainState:
         model when its parameters are sharded (FSDP2, tensor parallelism), and its optimizer
         once it holds state (before its first step there are no shards, only settings)."""
         model = self._objects.get("model")
-        if model is None or not is_sharded(_unwrap(model)):
+        if model is None or not is_sharded(unwrap(model)):
             return []
         optimizer = self._objects.get("optimizer")
         stepped = optimizer is not None and bool(getattr(optimizer, "state", None))
@@ -279,14 +231,14 @@ class TrainState:
 
             shards = sharded_mod.shard_dir(_attempt())
             written += _write_shards(directory, shards, self._sharded_state(sharded), shards_in)
-        return written + _write_captured(directory, *self._capture(sharded, shards))
+        return written + write_files(directory, worker_ranks()[0], *self._capture(sharded, shards))
 
     def _sharded_state(self, sharded: list[str]) -> dict[str, Any]:
         """This rank's shards of the model (and optimizer), for torch.distributed.checkpoint."""
         from unbroken.state import sharded as sharded_mod
 
         optimizer = self._objects["optimizer"] if "optimizer" in sharded else None
-        return sharded_mod.live_state(_unwrap(self._objects["model"]), optimizer)
+        return sharded_mod.live_state(unwrap(self._objects["model"]), optimizer)
 
     def _capture(self, sharded: list[str], shards: str | None, copy: bool = False
                  ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -300,19 +252,15 @@ class TrainState:
                 self._check_plain(name, value)
             state_dicts = self.state_dicts(exclude=sharded)
             for name, sd in state_dicts.items():
-                problem = _plain_problem(sd, f"{name}.state_dict()", _LOADABLE_SCALARS)
+                problem = plain_problem(sd, f"{name}.state_dict()", LOADABLE_SCALARS)
                 if problem:
                     raise TypeError(f"TrainState cannot save {name!r}: {problem}, which "
                                     "torch.load(weights_only=True) cannot load back. Hint: make its "
                                     "state_dict() return tensors and plain values only; only the model "
                                     "and its optimizer are saved sharded")
-            payload = {"format": SHARDED_FORMAT_VERSION if sharded else FORMAT_VERSION,
-                       "world_size": world_size, "torch_version": str(torch.__version__),
-                       "state_dicts": state_dicts, "values": dict(self._values)}
-            if sharded:
-                payload["sharded"] = {"directory": shards, "names": sharded}
-        rng = capture_rng()
-        rng["generators"] = {name: g.get_state() for name, g in self._generators.items()}
+            payload = build_payload(state_dicts, dict(self._values), world_size,
+                                    {"directory": shards, "names": sharded} if sharded else None)
+        rng = capture_rng(self._generators)
         return (snapshot(payload), rng) if copy else (payload, rng)
 
     def report(self, metrics: dict[str, Any], checkpoint: bool = False) -> bool:
@@ -328,8 +276,8 @@ class TrainState:
                             "call train.report(metrics, checkpoint=Checkpoint.from_directory(d))")
         session = session_mod.current("TrainState.report()")
         # Asked before this report, so every rank gets the driver's answer for the same report.
-        if not (checkpoint or train.get_context().should_checkpoint()):
-            train.report(metrics)
+        if not (checkpoint or session.should_checkpoint()):
+            session.report(metrics)
             return False
         if self._async_save:
             session.saver.wait()  # one save in flight: the previous copy is freed before this one
@@ -337,7 +285,7 @@ class TrainState:
             return True
         with tempfile.TemporaryDirectory(prefix="unbroken-state-") as d:
             self._write(d, _next_staging() if self.sharded_names() else None)
-            train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+            session.report(metrics, Checkpoint.from_directory(d))
         return True
 
     def _snapshot_writer(self) -> Callable[[], tuple[str, bool]]:
@@ -358,7 +306,7 @@ class TrainState:
             directory = tempfile.mkdtemp(prefix="unbroken-state-")
             if shard_state is not None:
                 _write_shards(directory, shards, shard_state, staging, group)
-            _write_captured(directory, payload, rng)
+            write_files(directory, worker_ranks()[0], payload, rng)
             return directory, True
         return write
 
@@ -376,8 +324,7 @@ class TrainState:
         checkpoint and this state have in common and logs the rest.
         """
         if checkpoint is None:
-            session_mod.current("TrainState.restore()")
-            checkpoint = train.get_checkpoint()
+            checkpoint = session_mod.current("TrainState.restore()").get_checkpoint()
         if checkpoint is None:
             self._start_step_streams()
             return False
@@ -422,7 +369,7 @@ class TrainState:
                                payload.get("torch_version"))
         for name, obj in self._objects.items():
             if name in state_dicts:
-                (_unwrap(obj) if name == "model" else obj).load_state_dict(state_dicts[name])
+                (unwrap(obj) if name == "model" else obj).load_state_dict(state_dicts[name])
         for name in self._values:
             if name in values:
                 self._values[name] = values[name]
@@ -454,7 +401,7 @@ class TrainState:
                            "torch.distributed.checkpoint promises no compatibility across torch "
                            "versions", shards, saved_torch, torch.__version__)
         try:
-            sharded_mod.load(shards, _unwrap(self._objects["model"]), optimizer)
+            sharded_mod.load(shards, unwrap(self._objects["model"]), optimizer)
         except StateMismatchError:
             raise
         except Exception as e:
@@ -497,39 +444,6 @@ def _check_step_seed(step_seed: Any, jit_checkpoint: Any) -> int | None:
     return step_seed
 
 
-def read_payload(path: str) -> dict[str, Any]:
-    """`train_state.pt`, checked to be a format this version reads."""
-    payload = torch.load(path, weights_only=True, map_location=_map_location())
-    found = payload.get("format") if isinstance(payload, dict) else None
-    if found not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
-        raise StateMismatchError(f"{path} has format {found!r}; this version of unbroken reads formats "
-                                 f"{FORMAT_VERSION} and {SHARDED_FORMAT_VERSION}. Hint: restore with the "
-                                 "unbroken version that wrote it")
-    return payload
-
-
-def load_full_state(directory: str | os.PathLike) -> dict[str, Any]:
-    """Everything a TrainState checkpoint directory holds except the random generators, whole,
-    in this process, by name: {"model": state_dict, "optimizer": ..., "scheduler": ...,
-    "loader": ..., <extra objects' state_dicts>, <plain values>}.
-
-    A sharded model and optimizer are gathered from every rank's shards (this needs memory
-    for the whole model, and no process group); their state_dicts are keyed by parameter
-    name, as torch.distributed.checkpoint.state_dict gives them."""
-    directory = os.fspath(directory)
-    path = os.path.join(directory, STATE_FILE)
-    if not os.path.exists(path):
-        raise StateMismatchError(f"{directory} has no {STATE_FILE}, so it was not written by TrainState")
-    payload = read_payload(path)
-    out = {**payload["state_dicts"], **payload["values"]}
-    sharded = payload.get("sharded")
-    if sharded:
-        from unbroken.state import sharded as sharded_mod
-
-        out.update(sharded_mod.load_full(os.path.join(directory, sharded["directory"])))
-    return out
-
-
 def _write_shards(directory: str, shards: str, state: dict[str, Any], shards_in: str | None = None,
                   group: Any = None) -> list[str]:
     """Write a sharded state through torch.distributed.checkpoint (collective over `group`)
@@ -545,32 +459,6 @@ def _write_shards(directory: str, shards: str, state: dict[str, Any], shards_in:
         for name in names:
             os.symlink(os.path.join(target, name), os.path.join(local, name))
     return [f"{shards}/{name}" for name in names]
-
-
-def _write_captured(directory: str, payload: dict[str, Any] | None, rng: dict[str, Any]) -> list[str]:
-    """Write what `TrainState._capture` returned into `directory`; returns the file names."""
-    rank, _ = worker_ranks()
-    written = []
-    if payload is not None:
-        torch.save(payload, os.path.join(directory, STATE_FILE))
-        written.append(STATE_FILE)
-    torch.save(rng, os.path.join(directory, rng_file(rank)))
-    return written + [rng_file(rank)]
-
-
-def snapshot(value: Any) -> Any:
-    """`value` with every tensor in it copied (plain tensors to CPU memory; a DTensor keeps its
-    placement) and its lists, tuples and dicts rebuilt: what training does next changes
-    nothing in it."""
-    if isinstance(value, torch.Tensor):
-        if type(value).__name__ == "DTensor":
-            return value.detach().clone()
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((k, snapshot(v)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(snapshot(v) for v in value)
-    return value
 
 
 def _next_staging() -> str | None:
@@ -590,40 +478,3 @@ def _attempt() -> int | None:
     return session.info.attempt if session is not None else None
 
 
-def _map_location() -> Any:
-    """Where saved tensors go: CPU, or this worker's GPU when it uses one (rank 0's file
-    names rank 0's device, which is the wrong one on the other ranks)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        here = f"cuda:{torch.cuda.current_device()}"
-        return {f"cuda:{i}": here for i in range(torch.cuda.device_count())}
-    return "cpu"
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's generator states, in a form torch.load(weights_only=True) loads."""
-    version, internal, gauss_next = random.getstate()
-    # As a tensor: 625 ints unpickle far faster that way under weights_only=True than as a tuple.
-    python = {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
-              "gauss_next": gauss_next}
-    state: dict[str, Any] = {"python": python, "torch": torch.get_rng_state()}
-    if _np is not None:
-        _, keys, pos, has_gauss, cached_gaussian = _np.random.get_state()
-        state["numpy"] = {"keys": torch.from_numpy(keys.astype(_np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        device = torch.cuda.current_device()
-        state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Set this process's generators to a state from `capture_rng` (what it lacks is left)."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state and _np is not None:
-        np_state = state["numpy"]
-        _np.random.set_state(("MT19937", np_state["keys"].numpy().astype(_np.uint32), np_state["pos"],
-                              np_state["has_gauss"], np_state["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())

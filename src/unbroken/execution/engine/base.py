@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from unbroken.errors import WorkerDied
+from unbroken.worker.channel import Channel
 from unbroken.worker.protocol import WorkerMessage
+
+__all__ = ["Channel", "Placement", "Wakeup", "WorkerGroup", "WorkerGroupFactory"]
 
 
 @dataclass(frozen=True)
@@ -32,19 +35,6 @@ class Placement:
     node_id: str        # the engine's name for the machine (a hostname, a Ray node id)
     node_address: str   # where other ranks reach this node (rank 0's is the rendezvous host)
     cpus: int = 1       # the CPU threads the rank may use (torch's intra-op threads)
-
-
-class Channel(Protocol):
-    """One rank's two-way link to the driver, used on the worker side.
-
-    Messages arrive in the order they were sent, each whole or not at all. `recv` blocks
-    until a message arrives; it raises EOFError or OSError once the driver is gone (the
-    worker then ends). `send` of a message the driver can no longer take raises OSError.
-    """
-
-    def send(self, message: Any) -> None: ...
-
-    def recv(self) -> Any: ...
 
 
 class Wakeup(Protocol):

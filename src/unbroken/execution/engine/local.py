@@ -24,6 +24,7 @@ from typing import Any
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.errors import WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
+from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import Done, from_wire, to_wire
 from unbroken.worker.runner import WorkerPayload, run_worker
 
@@ -109,20 +110,6 @@ def _died(rank: int, exitcode: int | None) -> WorkerDied:
     if exitcode is not None and exitcode < 0:
         return WorkerDied(rank, exit_code=exitcode, signal_name=signal.Signals(-exitcode).name)
     return WorkerDied(rank, exit_code=exitcode)
-
-
-class PipeChannel:
-    """A local worker's `Channel`: its end of the pipe to the driver, carrying messages as
-    plain tuples (`protocol.to_wire`)."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-
-    def send(self, message: Any) -> None:
-        self.conn.send(to_wire(message))
-
-    def recv(self) -> Any:
-        return from_wire(self.conn.recv())
 
 
 def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:

@@ -47,7 +47,8 @@ import unbroken
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
-from unbroken.execution.engine.local import PipeChannel
+from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
+from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import from_wire, to_wire
 from unbroken.worker.runner import run_worker
 
@@ -187,42 +188,6 @@ class _Listener:
         self.sock.close()
 
 
-def _bundle(scaling: ScalingConfig) -> dict[str, float]:
-    """The resources one rank asks for: 1 CPU unless resources_per_worker says otherwise, a GPU
-    with use_gpu, and the accelerator type when one is named."""
-    bundle = {"CPU": 1.0, **(scaling.resources_per_worker or {})}
-    if scaling.use_gpu:
-        bundle.setdefault("GPU", 1.0)
-    if scaling.accelerator_type:
-        bundle[f"accelerator_type:{scaling.accelerator_type}"] = 0.001
-    return {k: float(v) for k, v in bundle.items() if v}
-
-
-def _missing(bundle: dict[str, float], n: int, strategy: str) -> str:
-    """What the cluster lacks for `n` bundles, as a sentence for the error."""
-    total = ray.cluster_resources()
-    free = ray.available_resources()
-    need = {k: v * n for k, v in bundle.items()}
-    short = [f"{k}: {need[k]:g} needed, {total.get(k, 0):g} in the cluster ({free.get(k, 0):g} free)"
-             for k in sorted(need) if total.get(k, 0) < need[k] or free.get(k, 0) < need[k]]
-    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
-    if not short:
-        short = [f"the cluster has the resources in total, but not in the shape {strategy} asks "
-                 f"for ({n} bundles of {bundle} on {nodes} live nodes)"]
-    return "; ".join(short)
-
-
-def _order(metas: list[dict[str, Any]]) -> list[tuple[int, int, int, int]]:
-    """(bundle index, node rank, local rank, local world size) for each rank, ranks grouped by
-    node (the nodes in the order of their first bundle) so that neighbours share a node."""
-    nodes: dict[str, list[int]] = {}
-    for index, meta in enumerate(metas):
-        nodes.setdefault(meta["node_id"], []).append(index)
-    return [(index, node_rank, local_rank, len(indices))
-            for node_rank, indices in enumerate(nodes.values())
-            for local_rank, index in enumerate(indices)]
-
-
 def _why(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
     """The engine-neutral cause for a rank whose actor call failed with `error`."""
     where = f"node {meta['address']} ({meta['node_id'][:12]})"
@@ -279,10 +244,10 @@ class RayWorkerGroup:
                     f"node {meta['address']} runs {meta['versions']}, the driver {mine}: a worker "
                     "there could not load what the driver sends. Hint: install the same versions "
                     "of Python, torch and unbroken on every node")
-        cpus = max(1, int(_bundle(self.scaling).get("CPU", 1)))
+        cpus = max(1, int(rank_bundle(self.scaling).get("CPU", 1)))
         placements = []
         self.actors, self.metas, self._bundles = [], [], []
-        for rank, (index, node_rank, local_rank, local_size) in enumerate(_order(metas)):
+        for rank, (index, node_rank, local_rank, local_size) in enumerate(rank_order(metas)):
             self.actors.append(by_bundle[index])
             self.metas.append(metas[index])
             self._bundles.append(index)
@@ -295,14 +260,14 @@ class RayWorkerGroup:
     def _place(self) -> tuple[list[Any], list[dict[str, Any]]]:
         """A new placement group and one actor per bundle: (actors by bundle, their metas)."""
         n, strategy = self.num_workers, self.scaling.placement_strategy
-        bundle = _bundle(self.scaling)
+        bundle = rank_bundle(self.scaling)
         self.pg = placement_group([bundle] * n, strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise InsufficientResourcesError(
                 f"the Ray cluster could not place {n} workers ({strategy}, each {bundle}) within "
-                f"{PLACEMENT_TIMEOUT_S:g} s: {_missing(bundle, n, strategy)}. Hint: add nodes, or "
+                f"{PLACEMENT_TIMEOUT_S:g} s: {missing_resources(bundle, n, strategy)}. Hint: add nodes, or "
                 "lower ScalingConfig(num_workers=..., resources_per_worker=...), or use "
                 "placement_strategy='PACK' (UNBROKEN_RAY_PLACEMENT_TIMEOUT_S sets the wait)") from None
         gpus, cpus = bundle.pop("GPU", 0), bundle.pop("CPU", 0)

@@ -1,0 +1,141 @@
+"""The controller's states: one small immutable object per state, carrying that state's data.
+
+A controller (`unbroken.execution.controller`) is in exactly one of these at a time and moves
+between them only through `Controller._transition`, which checks each move with
+`check_transition`. Modelled on Ray Train V2's `controller/state.py`. The moves:
+
+- Starting -> Running -> Finished: an attempt starts its workers, which run to the end (also
+  from Stopping, when they end before the checkpoint asked for).
+- Running -> Stopping -> Interrupted: a first SIGTERM/SIGINT asks the workers for a checkpoint,
+  then stops them (a second signal stops them at once, from Running or Stopping).
+- Starting, Running or Stopping -> Restarting -> Starting: a failure the policy retries.
+- Starting, Running or Stopping -> Errored: a failure the policy gives up on.
+- Starting or Restarting -> Interrupted: a signal seen between attempts.
+
+Finished, Interrupted and Errored are terminal (`is_terminal`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """Base of the controller's states; `name`: the state's name, for logs and messages."""
+
+    name: ClassVar[str] = "?"
+
+    def is_terminal(self) -> bool:
+        """True when the run ended (finished, interrupted or errored): nothing follows."""
+        return False
+
+
+@dataclass(frozen=True)
+class Starting(ControllerState):
+    """Attempt `attempt` (its number in the run) is beginning: its worker group is being made
+    and started. Also the state of a controller that has not run an attempt yet."""
+
+    name: ClassVar[str] = "STARTING"
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Running(ControllerState):
+    """The ranks of attempt `attempt` are running their training loop; the controller records
+    their report rounds."""
+
+    name: ClassVar[str] = "RUNNING"
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Stopping(ControllerState):
+    """Preemption: `signal` (SIGTERM/SIGINT) reached the driver during attempt `attempt`; the
+    workers are asked for a checkpoint, then told to stop (see `unbroken.execution.preemption`).
+
+    `asked_at`: the round whose reply asked for the checkpoint (None until a round completed);
+    `stopped`: a later round's reply told the workers to stop, so the attempt ends INTERRUPTED.
+    """
+
+    name: ClassVar[str] = "STOPPING"
+    attempt: int
+    signal: str | None
+    asked_at: int | None = None
+    stopped: bool = False
+
+    def asking_at(self, iteration: int) -> Stopping:
+        """This state once round `iteration`'s reply asked the workers for a checkpoint."""
+        return replace(self, asked_at=iteration)
+
+    def stopping_workers(self) -> Stopping:
+        """This state once a round's reply told the workers to stop."""
+        return replace(self, stopped=True)
+
+
+@dataclass(frozen=True)
+class Restarting(ControllerState):
+    """Attempt `attempt` failed with `error` and the failure policy retries it: the next
+    attempt starts from the latest committed checkpoint."""
+
+    name: ClassVar[str] = "RESTARTING"
+    attempt: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Finished(ControllerState):
+    """The training loop returned on every rank; the run is FINISHED."""
+
+    name: ClassVar[str] = "FINISHED"
+
+    def is_terminal(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Interrupted(ControllerState):
+    """`signal` stopped the run (after the checkpoint it asked for, or at once on a second
+    signal, or between attempts); the run is INTERRUPTED and can be restored."""
+
+    name: ClassVar[str] = "INTERRUPTED"
+    signal: str | None
+
+    def is_terminal(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Errored(ControllerState):
+    """The failure policy gave up on `error` (or `error` was not an Exception, e.g. a
+    KeyboardInterrupt outside the signal handlers); fit() raises."""
+
+    name: ClassVar[str] = "ERRORED"
+    error: BaseException
+
+    def is_terminal(self) -> bool:
+        return True
+
+
+# The states each state may move to. Starting -> Starting: a new controller is already
+# Starting when its first attempt begins; Stopping -> Stopping: its round data changes.
+_NEXT: dict[type[ControllerState], tuple[type[ControllerState], ...]] = {
+    Starting: (Starting, Running, Restarting, Errored, Interrupted),
+    Running: (Stopping, Finished, Restarting, Errored, Interrupted),
+    Stopping: (Stopping, Finished, Restarting, Errored, Interrupted),
+    Restarting: (Starting, Interrupted),
+    Finished: (),
+    Interrupted: (),
+    Errored: (),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A controller tried a state change that the controller's design rules out (a bug)."""
+
+
+def check_transition(old: ControllerState, new: ControllerState) -> None:
+    """Raise IllegalTransitionError unless a controller in `old` may move to `new`."""
+    if type(new) not in _NEXT.get(type(old), ()):
+        raise IllegalTransitionError(f"the controller cannot go from {old!r} to {new!r}")
