@@ -17,19 +17,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cloudpickle
-
 from unbroken.core import faults
 from unbroken.core.config import RunConfig, ScalingConfig
 from unbroken.errors import (
-    ControllerError,
     LeaseLostError,
     StorageError,
-    TrainingFailedError,
     TrainingInterruptedError,
     WorkerDied,
-    WorkerError,
-    WorkerGroupError,
 )
 from unbroken.execution import controller_state as states
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
@@ -37,7 +31,7 @@ from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
 from unbroken.execution.jit_coordinator import Coordinator, settle
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.report_rounds import ReportRounds
-from unbroken.run.callbacks import failed_rank
+from unbroken.execution.worker_failures import first_line, give_up_error, root_cause, worker_exception
 from unbroken.run.handle import Run
 from unbroken.store import manifest as mf
 from unbroken.store.checkpoint import Checkpoint
@@ -51,8 +45,6 @@ from unbroken.worker.session import WorkerInfo
 log = logging.getLogger("unbroken")
 
 POLL_S = 1.0
-# How long a rank's error waits for a peer's death to show, which would be the root cause.
-ROOT_CAUSE_WAIT_S = 0.2
 # How long a failed group's incomplete round may take to complete (the other ranks are
 # finishing the step the failed rank already reported; see `rounds`).
 ROUND_GRACE_S = 10.0
@@ -135,14 +127,14 @@ class Controller:
             self._drive(group)
         except BaseException as error:
             if group is not None:
-                self._shut_down_failed(group)
+                self._shut_downgive_up_error(group)
             if isinstance(error, LeaseLostError):
                 raise  # the run belongs to another driver now: write nothing more to it
             if self._gives_up(error, attempt):
                 if not isinstance(error, Exception):
                     raise
-                raise _failed(error,
-                    f"training failed in attempt {attempt} of run {self.run.path!r}: {_first_line(error)}\n"
+                raise give_up_error(error,
+                    f"training failed in attempt {attempt} of run {self.run.path!r}: {first_line(error)}\n"
                     f"The run and its checkpoints are kept. After fixing the cause, continue it with "
                     f"{self.restore_hint}") from error
             return False
@@ -162,7 +154,7 @@ class Controller:
         self._started = time.monotonic()
         self._transition(states.Running(attempt))
 
-    def _shut_down_failed(self, group: WorkerGroup) -> None:
+    def _shut_downgive_up_error(self, group: WorkerGroup) -> None:
         """Kill a failed attempt's group; when it warmed up for a restart, keep what it prepared
         for the next group (replacing an older group kept warm)."""
         group.shutdown(kill=True, keep_warm=not self._cold)
@@ -181,7 +173,7 @@ class Controller:
             self._transition(states.Restarting(attempt, error))
             log.warning("run %s: attempt %d failed (%s); restarting the workers from the latest "
                         "committed checkpoint (failure %d of %s)", self.run.path, attempt,
-                        _first_line(error), self.policy.failures,
+                        first_line(error), self.policy.failures,
                         self.run_config.failure_config.max_failures)
             return False
         self._transition(states.Errored(error))
@@ -311,7 +303,7 @@ class Controller:
                     can_complete = rounds.can_complete() or self._saves.can_complete(rounds.failed)
                     if not can_complete or now - failed_at >= ROUND_GRACE_S:
                         self._save_just_in_time(group, rounds, failures)
-                        raise _root_cause(group, failures)
+                        raise root_cause(group, failures)
                     timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
                 if hang_s is not None:
                     timeout = max(0.0, min(timeout, rounds.hang_left(now, hang_s)))
@@ -368,7 +360,7 @@ class Controller:
         elif isinstance(message, (Failed, WorkerDied)):
             rounds.fail(rank)
             failures.append((rank, message if isinstance(message, WorkerDied) else
-                             _worker_exception(rank, message.traceback, message.error)))
+                             worker_exception(rank, message.traceback, message.error)))
         else:
             raise TypeError(f"rank {rank} sent an unknown message {message!r}")
 
@@ -448,52 +440,9 @@ class Controller:
                     pass  # it ended meanwhile: its Done is on the way
 
 
-def _failed(error: Exception, message: str) -> TrainingFailedError:
-    """What fit() raises when it gives up: WorkerGroupError when a rank raised, died or hung,
-    ControllerError when the driver's own work failed (both are TrainingFailedErrors)."""
-    rank = failed_rank(error)
-    if rank >= 0 or isinstance(error, WorkerError):
-        return WorkerGroupError(message, {rank: error})
-    return ControllerError(message, error)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error)
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _root_cause(group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> BaseException:
-    """The error to handle for a failed group: the first failure, unless a rank reported an
-    error while a peer was killed (a signal: OOM, SIGKILL) or lost with its node: the error is
-    then usually just the broken connection to that peer, and the loss is the root cause."""
-    rank, first = failures[0]
-    if isinstance(first, WorkerDied):
-        return WorkerError(str(first), rank=rank)
-    for killed in group.lost_ranks(ROOT_CAUSE_WAIT_S):
-        error = WorkerError(f"{killed}; then rank {rank} failed with {_first_line(first)}", rank=killed.rank)
-        error.__cause__ = first
-        return error
-    return first
-
-
 def _stop_met(stop: Any, row: dict) -> bool:
     if not stop:
         return False
     if callable(stop):
         return bool(stop(row))
     return any(key in row and row[key] >= threshold for key, threshold in stop.items())
-
-
-def _worker_exception(rank: int, text: str, blob: bytes | None) -> BaseException:
-    """The worker's own exception when it unpickles here (with the remote traceback attached)."""
-    error: BaseException | None = None
-    if blob is not None:
-        try:
-            error = cloudpickle.loads(blob)
-        except Exception:
-            error = None
-    remote = WorkerError(f"worker rank {rank} raised", rank=rank, traceback_text=text)
-    if error is None or not isinstance(error, Exception):
-        return remote
-    error.__cause__ = remote
-    return error

@@ -26,7 +26,7 @@ from unbroken.store.manifest_base import remove_stale_temps as remove_stale_temp
 from unbroken.store.storage import Storage
 
 # 2: pickled arguments are one file each under .unbroken/pickled/; 1 kept them in one pickled
-# dict, .unbroken/trainer.pkl (still read, see restore.SavedPickles).
+# dict, .unbroken/trainer.pkl (still read, see pickled.SavedPickles).
 SCHEMA_VERSION = 2
 PICKLED_FILES_SINCE = 2
 RUN_JSON = f"{META_DIR}/run.json"

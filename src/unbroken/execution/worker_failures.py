@@ -1,0 +1,60 @@
+"""What the controller makes of a failed worker group: the root cause among the ranks'
+failures (`root_cause`), a rank's own exception rebuilt on the driver with its remote
+traceback (`worker_exception`), and the TrainingFailedError that fit() raises when the
+failure policy gives up (`give_up_error`).
+"""
+
+from __future__ import annotations
+
+import cloudpickle
+
+from unbroken.errors import ControllerError, TrainingFailedError, WorkerDied, WorkerError, WorkerGroupError
+from unbroken.execution.engine.base import WorkerGroup
+from unbroken.run.callbacks import failed_rank
+
+# How long a rank's error waits for a peer's death to show, which would be the root cause.
+ROOT_CAUSE_WAIT_S = 0.2
+
+
+def give_up_error(error: Exception, message: str) -> TrainingFailedError:
+    """What fit() raises when it gives up: WorkerGroupError when a rank raised, died or hung,
+    ControllerError when the driver's own work failed (both are TrainingFailedErrors)."""
+    rank = failed_rank(error)
+    if rank >= 0 or isinstance(error, WorkerError):
+        return WorkerGroupError(message, {rank: error})
+    return ControllerError(message, error)
+
+
+def first_line(error: BaseException) -> str:
+    """`Type: first line of the message`, for one-line logs and messages."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def root_cause(group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> BaseException:
+    """The error to handle for a failed group: the first failure, unless a rank reported an
+    error while a peer was killed (a signal: OOM, SIGKILL) or lost with its node: the error is
+    then usually just the broken connection to that peer, and the loss is the root cause."""
+    rank, first = failures[0]
+    if isinstance(first, WorkerDied):
+        return WorkerError(str(first), rank=rank)
+    for killed in group.lost_ranks(ROOT_CAUSE_WAIT_S):
+        error = WorkerError(f"{killed}; then rank {rank} failed with {first_line(first)}", rank=killed.rank)
+        error.__cause__ = first
+        return error
+    return first
+
+
+def worker_exception(rank: int, text: str, blob: bytes | None) -> BaseException:
+    """The worker's own exception when it unpickles here (with the remote traceback attached)."""
+    error: BaseException | None = None
+    if blob is not None:
+        try:
+            error = cloudpickle.loads(blob)
+        except Exception:
+            error = None
+    remote = WorkerError(f"worker rank {rank} raised", rank=rank, traceback_text=text)
+    if error is None or not isinstance(error, Exception):
+        return remote
+    error.__cause__ = remote
+    return error
