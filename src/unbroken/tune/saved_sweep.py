@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from unbroken.core.config import RunConfig
 from unbroken.errors import (
     PickleRefusedError,
     RestoreArgumentError,
+    RunNotFoundError,
     SweepMismatchError,
     TrainerClassMismatchError,
 )
@@ -28,14 +30,13 @@ from unbroken.run.restore import encode_trainer, load_init_args, load_pickled, p
 from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.pickled import SavedPickles, pickled_files, refuse_pickles, replace_pickles
-from unbroken.store.storage import Storage
+from unbroken.store.storage import Storage, split_run_url
 from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
 from unbroken.tune.trial import check_trainable, trainable_name
 from unbroken.tune.tune_config import TuneConfig
 
 
-@dataclasses.dataclass
 @dataclass
 class SavedTuner:
     """A Tuner's arguments encoded for storage: sweep.json's params, the Tuner's pickles, the
@@ -98,6 +99,47 @@ class SavedSweep:
                                        allow)
         self.trainer_pickles = SavedPickles(storage, sw.TRAINABLE_PICKLED,
                                                sw.LEGACY_TRAINER_PKL if legacy else None, allow)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, storage_filesystem: Any, allow: bool) -> SavedSweep:
+        """The saved arguments of the sweep at `path`; RunNotFoundError or NotASweepError when
+        there is none."""
+        storage = Storage.from_url(os.fspath(path), storage_filesystem)
+        if not sw.is_sweep_dir(storage):
+            if not storage.exists():
+                raise RunNotFoundError(f"no sweep at {storage.url()!r}: the path does not exist. Hint: a "
+                                       "sweep is <storage_path>/<RunConfig name>")
+            raise sw.not_a_sweep(storage)
+        return cls(storage, sw.load(storage), storage.url(), allow)
+
+    def trainable_or(self, given: Any) -> Any:
+        """`given` (checked to be the kind of trainable the sweep was started with), or the saved one."""
+        if given is None:
+            return self.trainable()
+        check_trainable_matches(self.manifest, given, self.path)
+        return given
+
+    def param_space_or(self, given: dict[str, Any] | None) -> dict[str, Any]:
+        """`given` (checked to keep the saved keys and search domains), or the saved param_space."""
+        if given is None:
+            return self.param_space()
+        check_same_shape(self.param_space_shape(), given, self.path)
+        return given
+
+    def tune_config_or(self, given: TuneConfig | None) -> TuneConfig:
+        """The saved TuneConfig, amended by `given` where a restore may change it."""
+        saved = self.tune_config()
+        return saved if given is None else amend_tune_config(saved, given, self.manifest, self.path)
+
+    def run_config_or(self, given: RunConfig | None, storage_filesystem: Any) -> RunConfig:
+        """`given`, else the saved RunConfig (or a default one), with the name and storage path
+        of the sweep's directory."""
+        rc = given if given is not None else (self.run_config() or RunConfig())
+        if not isinstance(rc, RunConfig):
+            raise TypeError(f"run_config must be a RunConfig, got {type(rc).__name__}")
+        storage_path, name = split_run_url(self.path)
+        return dataclasses.replace(rc, name=name, storage_path=storage_path,
+                                   storage_filesystem=storage_filesystem or rc.storage_filesystem)
 
     def _blob(self, name: str, hint: str) -> Any:
         return load_pickled(self.pickles, name, f"{name} saved with the sweep at {self.path!r}",

@@ -25,26 +25,20 @@ import time
 from typing import Any
 
 from unbroken.core.config import RunConfig
-from unbroken.errors import (
-    RunExistsError,
-    RunNotFoundError,
-)
+from unbroken.errors import RunExistsError, RunNotFoundError
 from unbroken.execution.engine.factory import check_can_run
 from unbroken.run.identity import identity
 from unbroken.store import manifest as mf
 from unbroken.store import opening
 from unbroken.store import sweep_manifest as sw
-from unbroken.store.storage import Storage, split_run_url
+from unbroken.store.storage import Storage
 from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
 from unbroken.tune.asha import ASHAScheduler
 from unbroken.tune.result_grid import ResultGrid
 from unbroken.tune.saved_sweep import (
     SavedSweep,
-    amend_tune_config,
     check_identity,
-    check_same_shape,
-    check_trainable_matches,
     encode_tuner,
     write_tuner,
 )
@@ -263,37 +257,13 @@ class Tuner:
           where something would have to be unpickled, PickleRefusedError names what to
           re-specify (`trainable`, `param_space`, `run_config`).
         """
-        storage = Storage.from_url(os.fspath(path), storage_filesystem)
-        if not sw.is_sweep_dir(storage):
-            if not storage.exists():
-                raise RunNotFoundError(f"no sweep at {storage.url()!r}: the path does not exist. Hint: a "
-                                       "sweep is <storage_path>/<RunConfig name>")
-            raise sw.not_a_sweep(storage)
-        manifest = sw.load(storage)
-        url = storage.url()
-        loader = SavedSweep(storage, manifest, url, allow_pickle)
+        saved = SavedSweep.open(path, storage_filesystem, allow_pickle)
         if not allow_pickle:
-            loader.check_pickles(trainable is not None, param_space is not None, run_config is not None)
-        if trainable is None:
-            trainable = loader.trainable()
-        else:
-            check_trainable_matches(manifest, trainable, url)
-        if param_space is not None:
-            check_same_shape(loader.param_space_shape(), param_space, url)
-            space = param_space
-        else:
-            space = loader.param_space()
-        tc = loader.tune_config()
-        if tune_config is not None:
-            tc = amend_tune_config(tc, tune_config, manifest, url)
-        rc = run_config if run_config is not None else (loader.run_config() or RunConfig())
-        if not isinstance(rc, RunConfig):
-            raise TypeError(f"run_config must be a RunConfig, got {type(rc).__name__}")
-        storage_path, name = split_run_url(url)
-        rc = dataclasses.replace(rc, name=name, storage_path=storage_path,
-                                 storage_filesystem=storage_filesystem or rc.storage_filesystem)
-        tuner = cls(trainable, param_space=space, tune_config=tc, run_config=rc)
-        tuner._restored_from = url
+            saved.check_pickles(trainable is not None, param_space is not None, run_config is not None)
+        tuner = cls(saved.trainable_or(trainable), param_space=saved.param_space_or(param_space),
+                    tune_config=saved.tune_config_or(tune_config),
+                    run_config=saved.run_config_or(run_config, storage_filesystem))
+        tuner._restored_from = saved.path
         tuner._flags = ResumeFlags(unfinished=resume_unfinished, errored=resume_errored or restart_errored,
                                    restart=restart_errored)
         return tuner
