@@ -150,7 +150,7 @@ class Storage:
         UNBROKEN_STORAGE_RETRY_S seconds. Local filesystems are called once."""
         if self.is_local:
             return fn()
-        return call_with_retries(self.fs, self.url(), what, fn)
+        return call_with_retries(self.fs, self.url, what, fn)
 
     def _fresh(self, rel: str) -> str:
         """The path of `rel`, with any cached listing dropped (other processes write too)."""

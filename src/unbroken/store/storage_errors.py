@@ -73,8 +73,9 @@ def is_full(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _FULL
 
 
-def call_with_retries(fs: fsspec.AbstractFileSystem, url: str, what: str, fn: Callable[[], T]) -> T:
-    """Run one remote operation on `fs` (the storage at `url`, for messages), retrying transient
+def call_with_retries(fs: fsspec.AbstractFileSystem, url: Callable[[], str], what: str,
+                      fn: Callable[[], T]) -> T:
+    """Run one remote operation on `fs` (the storage at `url()`, for messages), retrying transient
     faults with backoff for up to UNBROKEN_STORAGE_RETRY_S seconds and dropping the
     filesystem's cached listings before each retry."""
     deadline, delay, started = None, 0.2, time.monotonic()
@@ -88,10 +89,10 @@ def call_with_retries(fs: fsspec.AbstractFileSystem, url: str, what: str, fn: Ca
             if deadline is None:
                 deadline = now + retry_budget_s()
                 log.warning("storage %s: %s failed (%s: %s); retrying with backoff for up to %g s",
-                            url, what, type(e).__name__, e, retry_budget_s())
+                            url(), what, type(e).__name__, e, retry_budget_s())
             if now + delay > deadline:
                 raise StorageError(
-                    f"storage {url!r} kept failing for {now - started:.0f} s while {what}: "
+                    f"storage {url()!r} kept failing for {now - started:.0f} s while {what}: "
                     f"{type(e).__name__}: {e}. Hint: check the endpoint, credentials and network; "
                     f"committed checkpoints are intact and restore() continues the run once storage "
                     f"is back ({RETRY_ENV} sets how long to retry)") from e
