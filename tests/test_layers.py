@@ -171,3 +171,12 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert ("unbroken.store.storage", False) in GRAPH["unbroken.store.commit"]
     deferred = [t for t, _ in GRAPH["unbroken.store.checkpoint"]]
     assert "unbroken.state.state_file" in deferred, "an import inside a function is counted"
+
+
+def test_engines_know_nothing_of_storage_or_runs():
+    """An engine places ranks and carries messages; storage, commits and run bookkeeping are
+    the controller's (and, for the shared-storage probe, the rank's own runner)."""
+    engines = [m for m in MODULES if m.startswith(f"{PACKAGE}.execution.engine")]
+    assert engines
+    leaks = sorted(f"{m} imports {t}" for m in engines for t, _ in GRAPH[m] if layer(t) in ("store", "run"))
+    assert leaks == []
