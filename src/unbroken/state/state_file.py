@@ -42,11 +42,9 @@ PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
 LOADABLE_SCALARS = PLAIN_SCALARS + (torch.Size, torch.dtype, torch.device)
 
 
-
 def rng_file(rank: int) -> str:
     """The name of rank `rank`'s RNG file in a TrainState checkpoint."""
     return f"rng_rank{rank}.pt"
-
 
 
 def unwrap(model: Any) -> Any:
@@ -58,7 +56,6 @@ def unwrap(model: Any) -> Any:
             model = model._orig_mod
         else:
             return model
-
 
 
 def plain_problem(value: Any, where: str, scalars: tuple[type, ...] = PLAIN_SCALARS) -> str | None:
@@ -85,8 +82,6 @@ def plain_problem(value: Any, where: str, scalars: tuple[type, ...] = PLAIN_SCAL
                 return problem
         return None
     return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
-
-
 
 
 def build_payload(state_dicts: dict[str, Any], values: dict[str, Any], world_size: int,
@@ -135,7 +130,6 @@ def load_full_state(directory: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-
 def write_files(directory: str, rank: int, payload: dict[str, Any] | None,
                 rng: dict[str, Any] | None) -> list[str]:
     """Write rank `rank`'s files of a checkpoint into `directory`: `train_state.pt` from
@@ -166,7 +160,6 @@ def snapshot(value: Any) -> Any:
     return value
 
 
-
 def map_location() -> Any:
     """Where saved tensors go: CPU, or this worker's GPU when it uses one (rank 0's file
     names rank 0's device, which is the wrong one on the other ranks)."""
@@ -174,7 +167,6 @@ def map_location() -> Any:
         here = f"cuda:{torch.cuda.current_device()}"
         return {f"cuda:{i}": here for i in range(torch.cuda.device_count())}
     return "cpu"
-
 
 
 def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:

@@ -98,7 +98,6 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
     return model
 
 
-
 def _to_device(batch: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return batch
