@@ -223,6 +223,80 @@ print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.check
     assert f"ROWS [1, 2, 3, 4] {storage}/{name}/checkpoint_000004" in out
 
 
+STALE = """
+import os, sys, tempfile
+import s3fs
+from unbroken.cli import inspection
+from unbroken.core.config import CheckpointConfig
+from unbroken.store import commit, history, lease
+from unbroken.store.checkpoint_manager import CheckpointManager
+from unbroken.store import manifest as mf
+from unbroken.store.storage import Storage
+
+root = sys.argv[1][len("s3://"):]
+# Two processes, as two filesystem instances: the reader caches listings, the writer writes.
+reader, writer = (Storage(s3fs.S3FileSystem(skip_instance_cache=True), root) for _ in range(2))
+writer.write_atomic("params.json", b"{}")
+# The reader lists the run directory (as can_restore's isdir does) before the run writes more.
+assert reader.isdir() and reader.listdir() == ["params.json"]
+assert reader.fs.dircache, "the reader caches the listing"
+
+holder = lease.Lease(writer)
+holder.acquire()
+rows = history.History(writer)
+rows.open()
+rows.append({"training_iteration": 1})
+rows.sync()
+mf.save(writer, mf.RunManifest(name="run", trainer_class="t:T", trainer_mro=["t:T"]), None)
+with tempfile.TemporaryDirectory() as d:
+    open(os.path.join(d, "w.bin"), "wb").write(b"weights")
+    files = commit.write_rank_files(writer, "checkpoint_000001.tmp-1", d, 0)
+commit.commit(writer, "checkpoint_000001.tmp-1", commit.Marker("checkpoint_000001", 1, 1, files))
+
+def seen(what, read):
+    try:
+        print(what, read())
+    except Exception as e:
+        print(what, "MISSED", type(e).__name__)
+
+seen("ROWS", lambda: len(history.read_rows(reader)))
+seen("HOLDER", lambda: lease.live_holder(reader) is not None)
+seen("VERSIONED", lambda: lease.Lease(reader)._read()[0] is not None)
+seen("MANIFEST", lambda: mf.load(reader).name)
+seen("MARKER", lambda: commit.verify(reader, "checkpoint_000001", full=True).iteration)
+seen("CRC", lambda: reader.crc32("checkpoint_000001/w.bin") == files[0].crc32)
+seen("LAST ROW", lambda: inspection.last_row(reader))
+with tempfile.TemporaryDirectory() as d:
+    seen("GET", lambda: reader.get_file("checkpoint_000001/w.bin", os.path.join(d, "w")) or
+         open(os.path.join(d, "w"), "rb").read())
+holder.release()
+seen("RELEASED", lambda: lease.live_holder(reader) is None)
+
+# A torn newer checkpoint (a file shorter than its marker says) is set aside on S3 too.
+with tempfile.TemporaryDirectory() as d:
+    open(os.path.join(d, "w.bin"), "wb").write(b"weights 2")
+    files = commit.write_rank_files(writer, "checkpoint_000002", d, 0)
+commit.commit(writer, "checkpoint_000002", commit.Marker("checkpoint_000002", 2, 1, files))
+writer.write_atomic("checkpoint_000002/w.bin", b"torn")
+resume = CheckpointManager(writer, CheckpointConfig()).recover()
+print("RESUME", resume.name, reader.listdir())
+"""
+
+
+def test_a_listing_cached_earlier_never_hides_a_file_written_since(s3_endpoint):
+    """Every read that decides something sees what is on storage now, whatever listing this
+    process cached (s3fs answers a read of a file missing from a cached listing with
+    FileNotFoundError): rows, the lease holder, the manifest, markers, checksums, downloads.
+    And a torn checkpoint is set aside on S3 (a directory rename there is a copy)."""
+    out = run_script(STALE, f"{prefix()}/run", **s3_env(s3_endpoint)).stdout
+    assert "MISSED" not in out, out
+    for line in ("ROWS 1", "HOLDER True", "VERSIONED True", "MANIFEST run", "MARKER 1", "CRC True",
+                 "LAST ROW {'training_iteration': 1}", "GET b'weights'", "RELEASED True",
+                 "RESUME checkpoint_000001 ['.unbroken', 'checkpoint_000001', 'checkpoint_000002.corrupt-0', "
+                 "'params.json', 'result.json']"):
+        assert line in out, out
+
+
 def test_only_faults_are_retried_not_answers():
     from botocore.exceptions import EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 

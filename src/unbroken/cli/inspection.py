@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,6 @@ QUARANTINED = "quarantined"  # set aside by an earlier resume as <name>.corrupt-
 _QUARANTINED = re.compile(r"^[^.].*\.corrupt-\d+$")
 _ANY_CHECKPOINT = re.compile(r"^checkpoint_(\d{6,})")
 _TAIL_BYTES = 64 << 10
-_CHUNK = 8 << 20
 ABORTED_NOTE = "the driver stopped without recording an end (killed?)"
 
 
@@ -210,7 +208,7 @@ def last_row(storage: Storage) -> dict[str, Any] | None:
         size = storage.size(rel)
     except FileNotFoundError:
         return None
-    with storage.fs.open(storage.path(rel), "rb") as f:
+    with storage.open_read(rel) as f:
         f.seek(max(0, size - _TAIL_BYTES))
         tail = f.read()
     for line in reversed(tail.splitlines()):
@@ -297,17 +295,8 @@ def _check(storage: Storage, name: str, marker: commit.Marker | TornCheckpointEr
             state.problems.append(f"file {f.path!r} has {size} bytes, the marker says {f.size}")
             advance(f.size)
             continue
-        if hashes and _crc32(storage, rel, advance) != f.crc32:
+        if hashes and storage.crc32(rel, advance) != f.crc32:
             if state.state == COMMITTED:
                 state.state = CORRUPTED
             state.problems.append(f"file {f.path!r} does not match its hash")
     return state
-
-
-def _crc32(storage: Storage, rel: str, advance: Callable[[int], None]) -> int:
-    crc = 0
-    with storage.fs.open(storage.path(rel), "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            advance(len(chunk))
-    return crc

@@ -153,7 +153,11 @@ class Storage:
         return call_with_retries(self.fs, self.url, what, fn)
 
     def _fresh(self, rel: str) -> str:
-        """The path of `rel`, with any cached listing dropped (other processes write too)."""
+        """The path of `rel`, with any cached listing of it and of the directories above it
+        dropped: other processes write too, and a listing this process cached earlier must
+        never decide what a read finds (s3fs answers a read of a file missing from a cached
+        listing of its directory with FileNotFoundError). Every read and every operation
+        that lists goes through it; an in-memory drop, no request."""
         path = self.path(rel)
         if not self.is_local:
             self.fs.invalidate_cache(path)
@@ -185,7 +189,7 @@ class Storage:
 
     # -- reading --------------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
-        return self._call(f"reading {rel}", lambda: self.fs.cat_file(self.path(rel)))
+        return self._call(f"reading {rel}", lambda: self.fs.cat_file(self._fresh(rel)))
 
     @property
     def conditional_writes(self) -> bool:
@@ -207,12 +211,20 @@ class Storage:
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
 
-    def crc32(self, rel: str) -> int:
+    def open_read(self, rel: str) -> Any:
+        """`rel` opened for reading in binary mode, as it is on storage now (its size is not
+        taken from a cached listing), for reads in chunks or from an offset."""
+        return self._call(f"reading {rel}", lambda: self.fs.open(self._fresh(rel), "rb"))
+
+    def crc32(self, rel: str, advance: Callable[[int], None] | None = None) -> int:
+        """The CRC-32 of `rel`, read in chunks; `advance(n)` is told each chunk's size (progress)."""
         def read() -> int:
             crc = 0
-            with self.fs.open(self.path(rel), "rb") as f:
+            with self.open_read(rel) as f:
                 while chunk := f.read(_CHUNK):
                     crc = zlib.crc32(chunk, crc)
+                    if advance is not None:
+                        advance(len(chunk))
             return crc
 
         return self._call(f"reading {rel}", read)
@@ -359,16 +371,28 @@ class Storage:
         if self.is_local:
             shutil.copyfile(self.path(rel), local_dst)
             return
-        self._call(f"downloading {rel}", lambda: self.fs.get_file(self.path(rel), local_dst))
+        self._call(f"downloading {rel}", lambda: self.fs.get_file(self._fresh(rel), local_dst))
 
     def rename(self, src_rel: str, dst_rel: str) -> None:
-        """Rename a directory or file; atomic and durable on local filesystems."""
+        """Rename a directory or file; atomic and durable on local filesystems. On object
+        stores a directory is copied file by file, then removed: not atomic, so callers
+        there never rely on it for a commit (a checkpoint is staged in place)."""
         if self.is_local:
             os.rename(self.path(src_rel), self.path(dst_rel))
             _fsync_dir(os.path.dirname(self.path(dst_rel)))
         else:
-            self._call(f"renaming {src_rel}", lambda: self.fs.mv(self.path(src_rel), self.path(dst_rel),
-                                                                 recursive=True))
+            self._call(f"renaming {src_rel}", lambda: self._copy_then_remove(src_rel, dst_rel))
+
+    def _copy_then_remove(self, src_rel: str, dst_rel: str) -> None:
+        # fsspec's recursive mv also copies the directory's own key, which no object holds.
+        src, dst = self._fresh(src_rel), self._fresh(dst_rel)
+        found = self.fs.find(src)
+        if found in ([], [src]):
+            self.fs.mv(src, dst)  # a file (or nothing: FileNotFoundError)
+            return
+        for path in found:
+            self.fs.copy(path, dst + path[len(src):])
+        self.fs.rm(src, recursive=True)
 
     def fsync_dir(self, rel: str = "") -> None:
         if self.is_local:
