@@ -331,3 +331,40 @@ def test_a_driver_whose_lease_was_taken_over_stops_writing(storage):
     with pytest.raises(LeaseLostError, match="taken over by another driver"):
         first.beat(force=True)
     assert json.loads(store.read_bytes(LEASE_JSON))["token"] == "another-driver", "not overwritten"
+
+
+def _contend(root: str, go, out, done) -> None:
+    from unbroken.store.lease import Lease
+    from unbroken.store.storage import Storage
+
+    lease = Lease(Storage.from_url(root))
+    go.wait()
+    try:
+        lease.acquire()
+        out.put("won")
+    except LeaseHeldError:
+        out.put("refused")
+    done.wait()  # a winner stays alive (a dead holder's lease may be taken over)
+
+
+def test_two_drivers_claiming_a_free_lease_at_once_on_local_disk_one_wins(tmp_path):
+    """The lease file is created with an exclusive link: of two processes that both saw no
+    lease and write at the same moment, exactly one holds it (write-then-read-back let both
+    believe they held it in 17 races in 100)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for race in range(60):
+        root = tmp_path / f"run{race}"
+        (root / ".unbroken").mkdir(parents=True)
+        go, out, done = ctx.Event(), ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=_contend, args=(str(root), go, out, done)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        go.set()
+        outcomes = sorted(out.get(timeout=60) for _ in procs)
+        done.set()
+        for p in procs:
+            p.join(timeout=60)
+        assert outcomes == ["refused", "won"], f"race {race}: {outcomes}"
+        assert not [n for n in os.listdir(root / ".unbroken") if ".tmp-" in n], "no temp file left"

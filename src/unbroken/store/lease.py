@@ -55,7 +55,8 @@ class Lease:
     On object stores every write of the lease is conditional (create-if-absent, then
     replace-if-unchanged), so of two drivers racing for a run exactly one wins, and a driver
     whose lease was taken over finds out at its next heartbeat and stops. On local and NFS
-    storage the lease is written atomically and read back.
+    storage a free lease is created exclusively (a hard link: of two drivers exactly one
+    wins); a dead holder's is replaced atomically and read back.
     """
 
     HEARTBEAT_EVERY_S = 2.0
@@ -75,11 +76,13 @@ class Lease:
         return self._read()[0]
 
     def _read(self) -> tuple[dict | None, str | None]:
-        """(holder record, its version); an unreadable record counts as no holder."""
+        """(holder record, what a write of the lease must expect: CREATE when there is no lease
+        file, else its version, None where there are none); an unreadable record counts as no
+        holder."""
         try:
             data, version = self.storage.read_versioned(LEASE_JSON)
         except FileNotFoundError:
-            return None, None
+            return None, CREATE
         try:
             holder = json.loads(data)
         except ValueError:
@@ -98,7 +101,7 @@ class Lease:
             log.warning("taking over the lease on %s from pid %s on %s, which is no longer alive",
                         self.storage.url(), holder.get("pid"), holder.get("host"))
         try:
-            self._write(CREATE if version is None else version)
+            self._write(version)
         except PreconditionFailed:
             raise self._raced() from None
         # Without conditional writes, two drivers racing for a free lease: the last write wins.

@@ -243,6 +243,13 @@ class Storage:
         if not self.is_local:
             self._call(f"writing {rel}", lambda: self.fs.pipe_file(path, data))
             return
+        self._local_write(rel, data, exclusive=False)
+
+    def _local_write(self, rel: str, data: bytes, exclusive: bool) -> None:
+        """Write `data` to a fsynced temp file and move it to `rel`: replacing what is there,
+        or, `exclusive`, only if nothing is (a hard link fails on an existing name, atomically,
+        on local filesystems and NFS alike; PreconditionFailed then)."""
+        path = self.path(rel)
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
             with open(tmp, "wb") as f:
@@ -250,7 +257,15 @@ class Storage:
                 f.flush()
                 os.fsync(f.fileno())
             faults.point("before_replace")
-            os.replace(tmp, path)
+            if exclusive:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise PreconditionFailed(f"{rel} exists already") from None
+                finally:
+                    os.remove(tmp)
+            else:
+                os.replace(tmp, path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.remove(tmp)  # a half-written temp must not hold the space it failed to get
@@ -287,7 +302,11 @@ class Storage:
         """Write `rel` only if it is still at version `expect` (CREATE: only if absent) and
         return the new version; raise PreconditionFailed otherwise. Object stores that support
         conditional writes make this race-free; elsewhere it writes atomically and returns None
-        (callers read back to detect a race)."""
+        (callers read back to detect a race), except that CREATE on a local filesystem is
+        race-free too."""
+        if self.is_local and expect == CREATE:
+            self._local_write(rel, data, exclusive=True)
+            return None
         if not self.conditional_writes or expect is None:
             self.write_atomic(rel, data)
             return None
