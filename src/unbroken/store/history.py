@@ -16,7 +16,8 @@ import math
 from typing import Any
 
 from unbroken.errors import MetricsNotSerializableError
-from unbroken.store.storage import Appender, Storage
+from unbroken.store.appender import Appender, open_appender
+from unbroken.store.storage import Storage
 
 log = logging.getLogger("unbroken")
 
@@ -56,7 +57,7 @@ class History:
     def open(self) -> None:
         """Load existing rows, then open result.json for appending."""
         rows = self._rows = read_rows(self.storage)
-        self._file = self.storage.appender(RESULT_JSON, initial=lambda: _lines(rows))
+        self._file = open_appender(self.storage, RESULT_JSON, initial=lambda: _lines(rows))
 
     def append(self, row: dict) -> None:
         assert self._rows is not None and self._file is not None, "History.open() first"

@@ -19,7 +19,7 @@ import shutil
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -327,15 +327,6 @@ class Storage:
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_atomic(rel, json.dumps(obj, indent=1, sort_keys=True, default=repr).encode())
 
-    def appender(self, rel: str, initial: Callable[[], bytes]) -> Appender:
-        """A file of newline-terminated records, opened for appending. Locally the file is
-        appended to in place (a torn last record, left by a killed writer, is cut first);
-        object stores cannot append, so there the whole file is kept in memory, starting
-        from `initial()`, and rewritten by each sync()."""
-        if self.is_local:
-            return _LocalAppender(self, rel)
-        return _RewriteAppender(self, rel, initial())
-
     def put_file(self, local_src: str, rel: str) -> tuple[int, int]:
         """Copy a local file to `rel`, durably; returns its (size, crc32)."""
         if not self.is_local:
@@ -448,81 +439,3 @@ class Storage:
         base = self.path(rel).rstrip("/") + "/"
         found = self._call(f"listing {rel or '.'}", lambda: self.fs.find(self._fresh(rel)))
         return sorted(p[len(base):] if p.startswith(base) else p for p in found)
-
-
-class Appender(Protocol):
-    """See Storage.appender."""
-
-    def append(self, data: bytes) -> None:
-        """Add one or more whole records (ending in a newline)."""
-
-    def sync(self) -> None:
-        """Make everything appended so far durable."""
-
-    def close(self) -> None:
-        """Release the file (after a last sync() where that is wanted)."""
-
-
-class _LocalAppender:
-    """Unbuffered appends: a record that fails to go out (a full disk) is cut off again, not
-    left half-written, nor in a buffer for a later flush to write after the next record."""
-
-    def __init__(self, storage: Storage, rel: str) -> None:
-        self._storage, self._rel = storage, rel
-        self._file = open(storage.path(rel), "a+b", buffering=0)
-        _drop_torn_tail(self._file)
-        self._end = self._file.seek(0, os.SEEK_END)  # this writer is the file's only one
-
-    def append(self, data: bytes) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[self._file.write(view):]
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                self._file.truncate(self._end)  # no half record: the next append starts a line
-            if is_full(e):
-                raise self._storage.full_error(f"writing {self._rel}", len(data)) from None
-            raise StorageError(f"cannot append to {self._storage.url(self._rel)!r}: {e}") from None
-        self._end += len(data)
-
-    def sync(self) -> None:
-        try:
-            os.fsync(self._file.fileno())
-        except OSError as e:
-            raise StorageError(f"cannot write {self._storage.url(self._rel)!r}: {e}") from None
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class _RewriteAppender:
-    """Object stores: the file's bytes, rewritten whole (one put) at each sync()."""
-
-    def __init__(self, storage: Storage, rel: str, initial: bytes) -> None:
-        self._storage, self._rel = storage, rel
-        self._data = bytearray(initial)
-
-    def append(self, data: bytes) -> None:
-        self._data += data
-
-    def sync(self) -> None:
-        self._storage.write_atomic(self._rel, bytes(self._data))
-
-    def close(self) -> None:
-        pass
-
-
-def _drop_torn_tail(f: Any) -> None:
-    """Cut a last line that a killed writer left without its newline, so appends start clean."""
-    end = f.seek(0, os.SEEK_END)
-    if end == 0:
-        return
-    f.seek(max(0, end - 65536))
-    tail = f.read()
-    if tail.endswith(b"\n"):
-        return
-    cut = tail.rfind(b"\n")
-    if cut < 0 and end > len(tail):
-        return  # a single line longer than the window: leave it to the reader to skip
-    f.truncate(end - len(tail) + cut + 1)
