@@ -297,6 +297,40 @@ def test_a_listing_cached_earlier_never_hides_a_file_written_since(s3_endpoint):
         assert line in out, out
 
 
+SET_ASIDE = """
+import os, sys, tempfile
+from unbroken.core.config import CheckpointConfig
+from unbroken.store import commit
+from unbroken.store.checkpoint_manager import CheckpointManager
+from unbroken.store.storage import Storage
+
+storage = Storage.from_url(sys.argv[1])
+if sys.argv[2] == "write":
+    for i, files in ((1, {"a": b"one", "b": b"one"}), (2, {"a": b"two", "b": b"two", "c": b"two"})):
+        with tempfile.TemporaryDirectory() as d:
+            for name, data in files.items():
+                open(os.path.join(d, name), "wb").write(data)
+            written = commit.write_rank_files(storage, f"checkpoint_00000{i}", d, 0)
+        commit.commit(storage, f"checkpoint_00000{i}", commit.Marker(f"checkpoint_00000{i}", i, 1, written))
+    storage.write_atomic("checkpoint_000002/b", b"torn")
+else:
+    print("RESUME", CheckpointManager(storage, CheckpointConfig()).recover().name, storage.listdir())
+"""
+
+
+def test_a_kill_while_a_torn_checkpoint_is_set_aside_on_s3_leaves_it_never_used(s3_endpoint):
+    """On S3 setting a checkpoint aside copies it file by file (fault point during_copy_rename):
+    killed midway, the torn checkpoint keeps failing verification and is set aside again."""
+    url, env = f"{prefix()}/aside", s3_env(s3_endpoint)
+    run_script(SET_ASIDE, url, "write", **env)
+    killed = run_script(SET_ASIDE, url, "recover", check=False, UNBROKEN_FAULT="during_copy_rename:2", **env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    out = run_script(SET_ASIDE, url, "recover", **env).stdout
+    assert "RESUME checkpoint_000001" in out, out
+    assert "'checkpoint_000002'" not in out and "checkpoint_000002.corrupt-1" in out, out
+    assert keys(s3_endpoint, url).count("checkpoint_000002.corrupt-1/b") == 1
+
+
 def test_only_faults_are_retried_not_answers():
     from botocore.exceptions import EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 

@@ -13,7 +13,8 @@ before_marker, after_marker, before_rename, after_rename (driver, commit);
 before_delete, during_delete (driver, retention); before_replace (any atomic file
 replace: run.json, result rows, lease); after_report (worker, right after it sent a report);
 during_jit_save (the worker saving a just-in-time checkpoint, between its files: see
-`jit_checkpoint`);
+`worker.jit`); during_copy_rename (a directory moved on an object store, where it is copied
+file by file and then removed: after each file copied, e.g. a torn checkpoint set aside);
 before_trial_record (sweep driver, when a trial's process has ended and before sweep.json
 records how the trial ended).
 """

@@ -402,6 +402,7 @@ class Storage:
             return
         for path in found:
             self.fs.copy(path, dst + path[len(src):])
+            faults.point("during_copy_rename")
         self.fs.rm(src, recursive=True)
 
     def fsync_dir(self, rel: str = "") -> None:
