@@ -3,10 +3,17 @@
 A second driver is refused while the holder's heartbeat is fresh. A lease whose holder
 is gone (its process is dead on this host, or its heartbeat is older than the TTL) is
 taken over with a warning.
+
+How a race between two drivers is decided: on object stores by conditional writes (create
+if absent, replace if unchanged); on local disk and NFS by an advisory lock (`flock` on
+`.unbroken/lease.lock`) held while a driver reads the lease, decides and writes it. The
+kernel drops that lock when its process dies, so a kill never leaves it held.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -22,6 +29,8 @@ from unbroken.store.storage_errors import PreconditionFailed
 log = logging.getLogger("unbroken")
 
 LEASE_JSON = f"{META_DIR}/lease.json"
+LEASE_LOCK = f"{META_DIR}/lease.lock"
+LOCK_WAIT_S = 30.0  # the lock is held for one read and one write; longer means a stopped process
 
 
 def _ttl() -> float:
@@ -52,11 +61,9 @@ def _holder_alive(holder: dict) -> bool:
 class Lease:
     """The lease this driver holds on one run directory.
 
-    On object stores every write of the lease is conditional (create-if-absent, then
-    replace-if-unchanged), so of two drivers racing for a run exactly one wins, and a driver
-    whose lease was taken over finds out at its next heartbeat and stops. On local and NFS
-    storage a free lease is created exclusively (a hard link: of two drivers exactly one
-    wins); a dead holder's is replaced atomically and read back.
+    Of two drivers racing for a run exactly one wins (see the module docstring), whether the
+    lease is free or its holder is dead; a driver whose lease was taken over (its heartbeat
+    stalled past the TTL) finds out at its next heartbeat and stops.
     """
 
     HEARTBEAT_EVERY_S = 2.0
@@ -89,27 +96,59 @@ class Lease:
             return None, version
         return (holder if isinstance(holder, dict) else None), version
 
-    def acquire(self) -> None:
-        holder, version = self._read()
-        if holder and holder.get("token") != self.token:
-            if _holder_alive(holder):
-                raise LeaseHeldError(
-                    f"run {self.storage.url()!r} is being driven by another process "
-                    f"(pid {holder.get('pid')} on {holder.get('host')}, last heartbeat "
-                    f"{time.time() - float(holder.get('heartbeat', 0)):.1f}s ago). Hint: wait for it "
-                    "to finish or stop it; a lease whose driver died is taken over automatically")
-            log.warning("taking over the lease on %s from pid %s on %s, which is no longer alive",
-                        self.storage.url(), holder.get("pid"), holder.get("host"))
+    @contextlib.contextmanager
+    def _deciding(self):
+        """Hold the lease lock while reading, deciding and writing (local disk and NFS);
+        object stores decide by conditional writes and need none."""
+        path = self.storage.local_path(LEASE_LOCK)
+        if path is None:
+            yield
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            self._write(version)
-        except PreconditionFailed:
-            raise self._raced() from None
-        # Without conditional writes, two drivers racing for a free lease: the last write wins.
-        holder = self.current_holder()
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise LeaseHeldError(
+                            f"run {self.storage.url()!r}: another process has held {LEASE_LOCK} for "
+                            f"{LOCK_WAIT_S:g} s while deciding who drives the run; it may be stopped "
+                            "(SIGSTOP) or hung. Hint: find and end it, then try again") from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)
+
+    def acquire(self) -> None:
+        with self._deciding():
+            holder, version = self._read()
+            if holder and holder.get("token") != self.token:
+                if _holder_alive(holder):
+                    raise self._held_by(holder)
+                log.warning("taking over the lease on %s from pid %s on %s, which is no longer alive",
+                            self.storage.url(), holder.get("pid"), holder.get("host"))
+            try:
+                self._write(version)
+            except PreconditionFailed:
+                raise self._raced() from None
+        holder = self.current_holder()  # where writes are unconditional and unlocked: read back
         if holder is None or holder.get("token") != self.token:
             raise self._raced()
 
+    def _held_by(self, holder: dict) -> LeaseHeldError:
+        return LeaseHeldError(
+            f"run {self.storage.url()!r} is being driven by another process "
+            f"(pid {holder.get('pid')} on {holder.get('host')}, last heartbeat "
+            f"{time.time() - float(holder.get('heartbeat', 0)):.1f}s ago). Hint: wait for it "
+            "to finish or stop it; a lease whose driver died is taken over automatically")
+
     def _raced(self) -> LeaseHeldError:
+        holder = self.current_holder()
+        if holder is not None and holder.get("token") != self.token:
+            return self._held_by(holder)
         return LeaseHeldError(f"run {self.storage.url()!r} was claimed by another driver at the "
                               "same moment. Hint: run one driver per run")
 
@@ -124,11 +163,12 @@ class Lease:
         Raises LeaseLostError when another driver took the run over meanwhile."""
         if force or time.monotonic() - self._last_beat >= self.HEARTBEAT_EVERY_S:
             try:
-                if self._version is None:  # no conditional writes here: look before writing
-                    holder = self.current_holder()
-                    if holder is not None and holder.get("token") != self.token:
-                        raise PreconditionFailed("the lease holds another driver's token")
-                self._write(self._version)
+                with self._deciding():
+                    if self._version is None:  # no conditional writes here: look before writing
+                        holder = self.current_holder()
+                        if holder is not None and holder.get("token") != self.token:
+                            raise PreconditionFailed("the lease holds another driver's token")
+                    self._write(self._version)
             except PreconditionFailed:
                 holder = self.current_holder() or {}
                 raise LeaseLostError(
@@ -139,9 +179,10 @@ class Lease:
                     "long") from None
 
     def release(self) -> None:
-        holder = self.current_holder()
-        if holder and holder.get("token") == self.token:
-            self.storage.remove(LEASE_JSON)
+        with self._deciding():
+            holder = self.current_holder()
+            if holder and holder.get("token") == self.token:
+                self.storage.remove(LEASE_JSON)
 
 
 def live_holder(storage: Storage) -> dict | None:

@@ -39,7 +39,7 @@ def restore_hint(trainer_class: type, path: str) -> str:
 # checkpoint holds is freed before anything else is written.
 RUN = opening.Kind(
     noun="run", load=load_manifest, first_files=frozenset({PARAMS_JSON}),
-    first_meta=frozenset({"lease.json", "pickled", "trainer.pkl"}),
+    first_meta=frozenset({"lease.json", "lease.lock", "pickled", "trainer.pkl"}),
     free=lambda storage, manifest: remove_leftovers(storage, manifest.attempt_count))
 
 
