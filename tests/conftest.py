@@ -62,8 +62,10 @@ def attempts(run_path: str) -> list[str]:
     return [a["status"] for a in run_json(run_path)["attempts"]]
 
 
-def start_script(code: str, *args: str, start_new_session: bool = False, **env) -> subprocess.Popen:
+def start_script(code: str, *args: str, start_new_session: bool = False, with_stdin: bool = False,
+                 **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-u", "-c", code, *args], env=driver_env(**env),
+                            stdin=subprocess.PIPE if with_stdin else None,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=start_new_session)
 

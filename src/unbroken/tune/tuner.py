@@ -53,7 +53,8 @@ log = logging.getLogger("unbroken")
 
 # What is particular to sweeps in opening one (see unbroken.store.opening).
 SWEEP = opening.Kind(noun="sweep", load=sw.load, first_files=frozenset(),
-                     first_meta=frozenset({"lease.json", "lease.lock", "pickled", "tuner.pkl", "trainer.pkl"}))
+                     first_meta=frozenset({"lease.json", "lease.lock", "pickled", "tuner.pkl",
+                                           "trainer.pkl"}))
 
 
 class Tuner:
