@@ -6,7 +6,8 @@ SIGKILL the driver at a uniformly random moment, SIGKILL one worker at a random 
 a fault-injection point (`unbroken.core.faults`) that SIGKILLs a process at one step of the
 commit protocol (file writes, fsync, marker, rename, retention, atomic replaces), every
 rank (or one rank) raising, exiting or being SIGKILLed right after it sent a report, or (where a tmpfs
-can be mounted) a disk that fills up at a random moment; with --ray, the workers are Ray
+can be mounted) a disk that fills up at a random moment, or a second driver of the same run
+started at a random moment while the first trains; with --ray, the workers are Ray
 actors on a local 2-node Ray cluster, and a launch may also lose a node (removed without
 warning, then replaced); with --async, the checkpoint files are written in the background
 (the fault points inside the write then strike in the background thread). Then the
@@ -25,6 +26,8 @@ Invariants checked at every launch and at the end of each trial:
     committed (the kills of the survivor during that save are among the random kills);
   - a full disk fails the launch with StorageFullError, and the next launch (with room
     again) resumes;
+  - a second driver started while the first holds the run fails with LeaseHeldError naming
+    the first (or, once the first has finished, returns its result), and adds no attempt;
   - nothing under a committed checkpoint name is ever torn;
   - no leftovers (staging, half-deleted, quarantined dirs, atomic-write temps) at the end;
   - the metric timeline has each iteration exactly once, and its losses equal the
@@ -287,8 +290,9 @@ class Harness:
         self.reference_weights: dict[str, torch.Tensor] = {}
         self.duration = 1.0
 
-    def launch(self, storage: str, name: str, log: str, how: str, fault: str | None) -> tuple[Any, str]:
-        outcome = os.path.join(self.workdir, "outcome")
+    def launch(self, storage: str, name: str, log: str, how: str, fault: str | None,
+               outcome: str = "outcome") -> tuple[Any, str]:
+        outcome = os.path.join(self.workdir, outcome)
         if os.path.exists(outcome):
             os.remove(outcome)
         proc = self.ctx.Process(target=_driver, args=(storage, name, log, how, fault,
@@ -336,6 +340,8 @@ class Harness:
         if r < 0.72 and self.disk is not None:
             return "disk-full", None, None
         delay = self.rng.uniform(0, self.duration)
+        if r < 0.78:  # half of them start the second driver at the same moment as the first
+            return "second-driver", None, delay if self.rng.random() < 0.5 else 0.0
         if r < 0.85:
             return "kill-driver", None, delay
         return ("lose-node" if self.cluster is not None and r < 0.92 else "kill-worker"), None, delay
@@ -371,12 +377,13 @@ class Harness:
             self.counts["launches"] += 1
             proc.join(delay)
             struck = None
+            second = self.start_second(proc, storage, name, log, exists) if kind == "second-driver" else None
             if proc.is_alive() and kind == "lose-node":
                 self.cluster.lose_node()
                 self.counts["nodes lost"] += 1
                 kills += 1
                 struck = "lose-node"
-            elif proc.is_alive():
+            elif proc.is_alive() and kind != "second-driver":
                 victim = proc.pid
                 if kind == "kill-worker":
                     workers = self.workers(proc.pid, log)
@@ -396,6 +403,9 @@ class Harness:
                     self.counts["kills inside commit"] += 1
             injected = injected or struck
             result = open(outcome).read() if os.path.exists(outcome) else "killed"
+            if second is not None:
+                result = self.check_second(proc, second, result, path, attempts_before,
+                                           f"trial {index} launch {launch}")
             if kind == "disk-full":
                 self.disk.grow()
                 if result.startswith("error StorageFullError"):  # full before training began
@@ -415,6 +425,43 @@ class Harness:
                 self.check_finished(path, index)
                 return
         self.violations.append(f"trial {index}: the run did not finish after {self.max_kills + 3} launches")
+
+    def start_second(self, first: Any, storage: str, name: str, log: str, exists: bool) -> Any | None:
+        """Start a second driver of the run now (restore, or where the run may not exist yet,
+        the same trainer again), while `first` may still drive it; None when the first has
+        finished already."""
+        if not first.is_alive():
+            self.counts["second driver: first already done"] += 1
+            return None
+        how = self.rng.choice(["restore", "rerun"]) if exists else "rerun"
+        return self.launch(storage, name, log, how, None, outcome="outcome-second")[0]
+
+    def check_second(self, first: Any, second: Any, result: str, path: str, attempts_before: int,
+                     where: str) -> str:
+        """Of two drivers of one run, one finishes it and the other is refused with
+        LeaseHeldError naming it (or, started after the first finished, finds it finished);
+        only one attempt is added. Returns the outcome of the one that drove the run."""
+        second.join()
+        outcome = os.path.join(self.workdir, "outcome-second")
+        other = open(outcome).read() if os.path.exists(outcome) else "no outcome"
+
+        def refused(text: str, holder: int) -> bool:
+            return text.startswith("error LeaseHeldError") and f"pid {holder} " in text
+
+        if result == "finished" and refused(other, first.pid):
+            self.counts["second driver: refused"] += 1
+        elif other == "finished" and refused(result, second.pid):
+            self.counts["second driver: won, the first refused"] += 1
+            result = other
+        elif result == other == "finished":
+            self.counts["second driver: found it finished"] += 1
+        else:
+            self.violations.append(f"{where}: two drivers of the run at once ended with {result!r} "
+                                   f"(the first) and {other!r} (the second)")
+        added = _attempt_count(path) - attempts_before
+        if added != 1:
+            self.violations.append(f"{where}: two drivers of the run added {added} attempts, not 1")
+        return result
 
     def workers(self, driver: int, log: str) -> list[int]:
         """The live worker processes of the launch: the driver's children, or Ray's actors."""
