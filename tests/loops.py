@@ -31,8 +31,10 @@ def linear_loop(config: dict) -> None:
 
     Fault knobs (all optional): fail_at=(iteration, attempt) raises on rank 1;
     kill_worker_at=(iteration, attempt) SIGKILLs rank 1; hang_at=(iteration, attempt) blocks rank 1
-    forever (after creating the file `hang_marker`, if given); print progress lines with `echo`;
-    on_request: also checkpoint when asked to.
+    forever, or with `hang_by_sigstop` stops its process (SIGSTOP; after a SIGCONT it goes on),
+    after writing its pid to the file `hang_marker`, if given; print progress lines with `echo`;
+    on_request: also checkpoint when asked to; rank_files: every rank's checkpoint holds a
+    file rank<r>.json saying its attempt and iteration (rank 0's also holds the state).
     """
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -62,15 +64,23 @@ def linear_loop(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if tuple(config.get("hang_at") or ()) == (it, ctx.get_attempt()) and rank == world - 1:
             if config.get("hang_marker"):
-                open(config["hang_marker"], "w").close()
-            threading.Event().wait()  # a stuck rank: the others block in the next allreduce
+                with open(config["hang_marker"], "w") as f:
+                    f.write(str(os.getpid()))
+            if config.get("hang_by_sigstop"):  # a frozen machine: nothing runs until SIGCONT
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                threading.Event().wait()  # a stuck rank: the others block in the next allreduce
         metrics = {"loss": loss.item(), "it": it}
         # should_checkpoint() is true on every rank for the same report (asked on preemption).
         asked = config.get("on_request") and ctx.should_checkpoint()
-        if (it % config.get("ckpt_every", 2) == 0 or asked) and rank == 0:
+        if (it % config.get("ckpt_every", 2) == 0 or asked) and (rank == 0 or config.get("rank_files")):
             with tempfile.TemporaryDirectory() as d:
-                torch.save({"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(),
-                            "iteration": it}, os.path.join(d, "state.pt"))
+                if rank == 0:
+                    torch.save({"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(),
+                                "iteration": it}, os.path.join(d, "state.pt"))
+                if config.get("rank_files"):
+                    with open(os.path.join(d, f"rank{rank}.json"), "w") as f:
+                        f.write(f'{{"attempt": {ctx.get_attempt()}, "iteration": {it}}}')
                 train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         else:
             train.report(metrics)
@@ -330,7 +340,7 @@ def async_gate_loop(config: dict) -> dict:
     writing, most, started = [0], [0], [0]
     real = async_save.write_rank_files
 
-    def gated(*args):
+    def gated(*args, **kwargs):
         with lock:
             gate = gates[started[0]]  # the n-th write is report n's
             started[0] += 1
@@ -339,7 +349,7 @@ def async_gate_loop(config: dict) -> dict:
             writing[0] += 1
             most[0] = max(most[0], writing[0])
         try:
-            return real(*args)
+            return real(*args, **kwargs)
         finally:
             with lock:
                 writing[0] -= 1

@@ -106,8 +106,13 @@ def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(storage, tmp_
     assert manifest(path)["attempts"][1]["resumed_from"] == "checkpoint_000004"
 
 
-def test_hung_rank_is_detected_and_the_group_restarts(storage):
-    config = {"iterations": 8, "ckpt_every": 2, "hang_at": (5, 1)}
+@pytest.mark.parametrize("how", ["blocked", "stopped"])
+def test_hung_rank_is_detected_and_the_group_restarts(storage, tmp_path, how):
+    """A rank blocked forever, or whose process is stopped (SIGSTOP: a frozen machine, which
+    keeps its pipe open), is caught by hang_timeout_s; the stopped process is killed."""
+    marker = str(tmp_path / "hung-pid")
+    config = {"iterations": 8, "ckpt_every": 2, "hang_at": (5, 1), "hang_marker": marker,
+              "hang_by_sigstop": how == "stopped"}
     trainer = TorchTrainer(linear_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
                            run_config=RunConfig(name="hung", storage_path=storage,
                                                 failure_config=FailureConfig(max_failures=1,
@@ -119,6 +124,9 @@ def test_hung_rank_is_detected_and_the_group_restarts(storage):
     assert first["status"] == "ERRORED"
     assert "WorkerHangError" in first["error"] and "rank(s) [1] did not report iteration 5" in first["error"]
     assert run["attempts"][1]["resumed_from"] == "checkpoint_000004"
+    hung = int(open(marker).read())
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)  # gone, not left stopped (it was this process's child: reaped)
 
     reference = TorchTrainer(linear_loop, train_loop_config={"iterations": 8, "ckpt_every": 2},
                              scaling_config=ScalingConfig(num_workers=2),
@@ -126,6 +134,27 @@ def test_hung_rank_is_detected_and_the_group_restarts(storage):
     expected = final_weights(reference)
     for key, value in final_weights(result).items():
         assert torch.equal(value, expected[key])
+
+
+def test_a_stopped_rank_without_hang_timeout_is_bounded_by_the_collective_timeout(storage, tmp_path):
+    """Without hang_timeout_s, a rank whose process is stopped stalls its peers in their next
+    collective until torch.distributed's timeout (TorchConfig(timeout_s=...)); then they fail
+    and the group restarts, the stopped process killed with it (docs/guarantees.md)."""
+    from unbroken.train.torch import TorchConfig
+
+    marker = str(tmp_path / "stopped-pid")
+    config = {"iterations": 6, "ckpt_every": 2, "hang_at": (3, 1), "hang_marker": marker,
+              "hang_by_sigstop": True}
+    result = TorchTrainer(linear_loop, train_loop_config=config, torch_config=TorchConfig(timeout_s=4),
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="stopped", storage_path=storage, verbose=0,
+                                               failure_config=FailureConfig(max_failures=1))).fit()
+    assert result.metrics["training_iteration"] == 6
+    first, second = manifest(result.path)["attempts"]
+    assert "Timed out" in first["error"], first["error"]
+    assert second["resumed_from"] == "checkpoint_000002"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(open(marker).read()), 0)
 
 
 def test_hang_without_retries_fails_with_the_hang_named(storage):

@@ -123,7 +123,7 @@ def test_storage_layout_and_commit_protocol(storage):
     assert entries == [".unbroken", "checkpoint_000001", "checkpoint_000002", "checkpoint_000003",
                        "params.json", "progress.csv", "result.json"]
     # Every argument is plain data or importable by name: nothing is pickled.
-    assert sorted(os.listdir(os.path.join(run, ".unbroken"))) == ["run.json", "run.prev.json"]
+    assert sorted(os.listdir(os.path.join(run, ".unbroken"))) == ["lease.lock", "run.json", "run.prev.json"]
     manifest = json.load(open(os.path.join(run, ".unbroken", "run.json")))
     previous = json.load(open(os.path.join(run, ".unbroken", "run.prev.json")))
     assert manifest["generation"] == previous["generation"] + 1

@@ -14,7 +14,7 @@ import json
 import os
 import posixpath
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -134,11 +134,15 @@ def round_name(iteration: int, named: dict[int, str | None]) -> str:
     return next(iter(given.values()), None) or checkpoint_name(iteration)
 
 
-def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) -> list[FileEntry]:
+def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int,
+                     guard: Callable[[], None] | None = None) -> list[FileEntry]:
     """Copy one rank's checkpoint directory into the staging area (worker side).
 
     Each rank uploads its own files, concurrently on object stores: the driver never
-    carries checkpoint bytes."""
+    carries checkpoint bytes. `guard()` runs before the first file and after each one, and
+    raises to stop a rank whose attempt has ended: on object stores it stages under the
+    final name, which a later attempt may have committed meanwhile."""
+    guard = guard or (lambda: None)
     pairs = []
     for dirpath, _, filenames in os.walk(local_dir):
         for fn in sorted(filenames):
@@ -146,9 +150,14 @@ def write_rank_files(storage: Storage, staging: str, local_dir: str, rank: int) 
             rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
             if rel != MARKER:
                 pairs.append((src, rel))
+    guard()
+
+    def after_each() -> None:
+        faults.point("after_file_write")
+        guard()
+
     try:
-        sums = storage.put_files([(src, f"{staging}/{rel}") for src, rel in pairs],
-                                 after_each=lambda: faults.point("after_file_write"))
+        sums = storage.put_files([(src, f"{staging}/{rel}") for src, rel in pairs], after_each=after_each)
     except OSError as e:
         if not is_full(e):
             raise

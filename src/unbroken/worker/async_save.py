@@ -81,13 +81,15 @@ class BackgroundSave:
 
 
 def stage_job(storage: Storage, staging: str, iteration: int, rank: int,
-              produce: Callable[[], tuple[str, bool]], send: Callable[[Any], None]) -> Callable[[], None]:
+              produce: Callable[[], tuple[str, bool]], send: Callable[[Any], None],
+              guard: Callable[[], None] | None = None) -> Callable[[], None]:
     """Step 2 as a job for `BackgroundSave.start`: `produce()` returns the local directory of
-    this rank's files (and whether to delete it afterwards); they are staged and `Staged` sent."""
+    this rank's files (and whether to delete it afterwards); they are staged (`guard` as in
+    `write_rank_files`) and `Staged` sent."""
     def job() -> None:
         directory, delete = produce()
         try:
-            files = write_rank_files(storage, staging, directory, rank)
+            files = write_rank_files(storage, staging, directory, rank, guard=guard)
             if not os.path.isdir(directory):  # removed before it was read: nothing was staged from it
                 raise _changed(directory, rank, iteration, "it no longer exists")
         except FileNotFoundError as e:

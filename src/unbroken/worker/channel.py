@@ -5,6 +5,7 @@ engines build on a `multiprocessing.connection` (a pipe locally, a TCP connectio
 
 from __future__ import annotations
 
+import select
 from typing import Any, Protocol
 
 from unbroken.worker.protocol import from_wire, to_wire
@@ -16,11 +17,15 @@ class Channel(Protocol):
     Messages arrive in the order they were sent, each whole or not at all. `recv` blocks
     until a message arrives; it raises EOFError or OSError once the driver is gone (the
     worker then ends). `send` of a message the driver can no longer take raises OSError.
+    `hung_up` says, without blocking or reading, whether the driver has closed its end: it
+    ended this attempt (or died), so this rank must stop writing anything.
     """
 
     def send(self, message: Any) -> None: ...
 
     def recv(self) -> Any: ...
+
+    def hung_up(self) -> bool: ...
 
 
 class PipeChannel:
@@ -35,3 +40,9 @@ class PipeChannel:
 
     def recv(self) -> Any:
         return from_wire(self.conn.recv())
+
+    def hung_up(self) -> bool:
+        poller = select.poll()
+        poller.register(self.conn.fileno(), select.POLLIN | select.POLLRDHUP)
+        closed = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
+        return any(events & closed for _, events in poller.poll(0))

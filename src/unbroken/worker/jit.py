@@ -238,10 +238,11 @@ def save(session: Session, tracker: Tracker, iteration: int) -> list[FileEntry]:
         os.makedirs(rng_dir)
         os.makedirs(state_dir)
         _write_rng_files(rng_dir, tracker, iteration, info.world_size)
-        files = write_rank_files(info.storage, staging, rng_dir, info.world_rank)
+        guard = session.check_attempt
+        files = write_rank_files(info.storage, staging, rng_dir, info.world_rank, guard=guard)
         faults.point("during_jit_save")
         _write_state_file(state_dir, tracker, info.world_size)
-        files += write_rank_files(info.storage, staging, state_dir, info.world_rank)
+        files += write_rank_files(info.storage, staging, state_dir, info.world_rank, guard=guard)
     return files
 
 

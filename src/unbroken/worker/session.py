@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("unbroken")
 
 NO_REPLY = Reply()
+
+
+ATTEMPT_ENDED_EXIT = 75  # the exit status of a rank that finds its attempt over (check_attempt)
 
 
 class StopTraining(BaseException):
@@ -184,6 +188,18 @@ class Session:
         with self._send_lock:
             self.channel.send(message)
 
+    def check_attempt(self) -> None:
+        """Called before and between the checkpoint files a rank writes: when the driver has
+        hung up on this rank, the attempt ended without it (its machine froze or lost the
+        network, and came back), and a later attempt may be writing the same checkpoint names
+        now. The process then ends at once, so that neither it nor the rest of the training
+        function (a `finally`, another thread) writes anything more."""
+        if self.channel.hung_up():
+            sys.stderr.write(f"unbroken: rank {self.info.world_rank} of attempt {self.info.attempt}: the "
+                             "driver ended this attempt; this rank stops without writing\n")
+            sys.stderr.flush()
+            os._exit(ATTEMPT_ENDED_EXIT)
+
     def _recv(self) -> Any:
         """The driver's next message but `Committed`, which is noted on the way."""
         while True:
@@ -229,7 +245,8 @@ class Session:
             if name is not None:
                 check_name_free(storage, name, self._async_names)
             staging = staging_name(iteration, self.info.attempt, storage, name)
-            files = write_rank_files(storage, staging, checkpoint.path, self.info.world_rank)
+            files = write_rank_files(storage, staging, checkpoint.path, self.info.world_rank,
+                                     guard=self.check_attempt)
             if delete_local:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
         self._send_report(Report(iteration, metrics, files, name if files is not None else None))
@@ -265,7 +282,8 @@ class Session:
             check_name_free(storage, name, self._async_names)  # the driver may not have committed them yet
             self._async_names.add(name)
         staging = staging_name(iteration, self.info.attempt, storage, name)
-        return stage_job(storage, staging, iteration, self.info.world_rank, produce, self.send)
+        return stage_job(storage, staging, iteration, self.info.world_rank, produce, self.send,
+                         guard=self.check_attempt)
 
     def _send_report(self, report: Report, save: Callable[[], None] | None = None) -> None:
         """Send `report`, then start its background `save` (its `Staged` must follow it)."""
