@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from unbroken.errors import NotASweepError
@@ -73,6 +73,22 @@ class TrialRecord:
     started_at: float | None = None
     ended_at: float | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        super().__setattr__("_json", None)  # what `to_json` returns changes with any field
+
+    def to_json(self) -> str:
+        """The record as one line of JSON, kept until a field is set again: a sweep's manifest
+        is saved twice per trial, and encoding every record at each save made a sweep's cost
+        grow with the square of its trials (the config and values dicts are never changed in
+        place, only replaced)."""
+        if self._json is None:
+            super().__setattr__("_json", json.dumps(asdict(self), default=repr))
+        return self._json
+
+
+_TRIALS = "\x00trials\x00"  # where the trial records go in the encoded manifest
+
 
 @dataclass
 class SweepManifest(Manifest):
@@ -98,8 +114,18 @@ class SweepManifest(Manifest):
     schema_version: int = field(default=SCHEMA_VERSION, kw_only=True)
 
     def to_bytes(self) -> bytes:
-        # Not sort_keys: configs keep the key order of the user's param_space.
-        return json.dumps(self.to_dict(), indent=1, default=repr).encode()
+        """Indented JSON, each trial record on a line of its own (encoded once per change, see
+        TrialRecord.to_json). Not sort_keys: configs keep the key order of the user's
+        param_space."""
+        trials, self.trials = self.trials, []
+        try:
+            raw = self.to_dict()
+        finally:
+            self.trials = trials
+        raw["trials"] = _TRIALS
+        text = json.dumps(raw, indent=1, default=repr)
+        listed = "[\n" + ",\n".join("  " + t.to_json() for t in trials) + "\n ]" if trials else "[]"
+        return text.replace(json.dumps(_TRIALS), listed, 1).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> SweepManifest:
