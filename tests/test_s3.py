@@ -226,7 +226,6 @@ print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.check
 STALE = """
 import os, sys, tempfile
 import s3fs
-from unbroken.cli import inspection
 from unbroken.core.config import CheckpointConfig
 from unbroken.store import commit, history, lease
 from unbroken.store.checkpoint_manager import CheckpointManager
@@ -265,7 +264,7 @@ seen("VERSIONED", lambda: lease.Lease(reader)._read()[0] is not None)
 seen("MANIFEST", lambda: mf.load(reader).name)
 seen("MARKER", lambda: commit.verify(reader, "checkpoint_000001", full=True).iteration)
 seen("CRC", lambda: reader.crc32("checkpoint_000001/w.bin") == files[0].crc32)
-seen("LAST ROW", lambda: inspection.last_row(reader))
+seen("LAST ROW", lambda: history.last_row(reader))
 with tempfile.TemporaryDirectory() as d:
     seen("GET", lambda: reader.get_file("checkpoint_000001/w.bin", os.path.join(d, "w")) or
          open(os.path.join(d, "w"), "rb").read())

@@ -35,6 +35,7 @@ from unbroken.errors import (
 )
 from unbroken.observe.progress import format_value, is_terminal
 from unbroken.run.callbacks import numeric_metrics
+from unbroken.store import history
 from unbroken.store import manifest as mf
 from unbroken.store.storage import Storage, format_bytes
 
@@ -282,7 +283,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     manifest = mf.load(storage)
     url, name = storage.url(), inspection.run_name(storage)
     if manifest.status == mf.FINISHED:
-        last = inspection.last_row(storage) or {}
+        last = history.last_row(storage) or {}
         print(f"run {name} already finished at iteration "
               f"{_or_dash(last.get('training_iteration'))}; nothing to resume")
         return EXIT_OK

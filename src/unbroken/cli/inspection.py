@@ -32,7 +32,6 @@ QUARANTINED = "quarantined"  # set aside by an earlier resume as <name>.corrupt-
 
 _QUARANTINED = re.compile(r"^[^.].*\.corrupt-\d+$")
 _ANY_CHECKPOINT = re.compile(r"^checkpoint_(\d{6,})")
-_TAIL_BYTES = 64 << 10
 ABORTED_NOTE = "the driver stopped without recording an end (killed?)"
 
 
@@ -170,7 +169,7 @@ def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) ->
         if a.status == mf.RUNNING and driver is None:
             entry.update(status=mf.ABORTED, error=a.error or ABORTED_NOTE)
         attempts.append(entry)
-    last = last_row(storage)
+    last = history.last_row(storage)
     summary = RunSummary(
         name=run_name(storage), path=storage.url(), status=status, recorded_status=manifest.status,
         trainer_class=manifest.trainer_class, run_id=manifest.run_id, created_at=manifest.created_at,
@@ -199,27 +198,6 @@ def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) ->
 def run_name(storage: Storage) -> str:
     """The run's name: its directory's (what `<storage_path>/<name>` and `ls` show)."""
     return split_run_url(storage.root)[1]
-
-
-def last_row(storage: Storage) -> dict[str, Any] | None:
-    """The last metric row, read from the end of result.json (always on the timeline)."""
-    rel = history.RESULT_JSON
-    try:
-        size = storage.size(rel)
-    except FileNotFoundError:
-        return None
-    with storage.open_read(rel) as f:
-        f.seek(max(0, size - _TAIL_BYTES))
-        tail = f.read()
-    for line in reversed(tail.splitlines()):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a torn last line, or the cut first line of the window
-        if isinstance(row, dict):
-            return row
-    rows = history.read_rows(storage) if size > _TAIL_BYTES else []
-    return rows[-1] if rows else None
 
 
 def _read_json(storage: Storage, rel: str) -> Any:

@@ -243,8 +243,7 @@ class Controller:
         """(the iteration a just-in-time checkpoint may save, its round's row): the last round
         this attempt completed, when it is newer than the latest checkpoint and has none of its
         own; (None, None) otherwise, with the reason noted."""
-        rows = self.run.history.rows
-        row = rows[-1] if rows else None
+        row = self.run.history.last
         if row is None or row.get("attempt") != self.run.attempt.number:
             self._jit.reasons.append("no report round was completed in this attempt")
             return None, None

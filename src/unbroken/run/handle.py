@@ -76,7 +76,7 @@ class Run:
         self.manifest.status = mf.RUNNING
         self._sync_checkpoint_fields()
         self.save_manifest()
-        if self.history._rows is None:  # after run.json exists: a new run's first files are in order
+        if not self.history.opened:  # after run.json exists: a new run's first files are in order
             self.history.open()
         self._time_base = float(resume.metrics.get("time_total_s", 0.0)) if resume else 0.0
         self._attempt_t0 = self._last_report_t = time.monotonic()

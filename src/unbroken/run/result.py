@@ -25,11 +25,21 @@ class Result:
     path: str
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     status: str | None = None
-    rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    # The timeline's rows, read from `path` on first use (`rows`): a history can be long.
+    _rows: list[dict[str, Any]] | None = field(default=None, repr=False)
+    _filesystem: Any = field(default=None, repr=False)
     # Every committed checkpoint with its row, oldest first (get_best_checkpoint ranks them).
     checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list, repr=False)
     # The attempt whose training function's return value `return_value` reads (0: none).
     _returned_in: int = field(default=0, repr=False)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every metric row of the timeline (each iteration once), oldest first."""
+        if self._rows is None:
+            storage = Storage.from_url(self.path, self._filesystem)
+            self._rows = history.timeline(history.read_rows(storage)) if mf.is_run_dir(storage) else []
+        return self._rows
 
     @property
     def return_value(self) -> Any:
@@ -72,7 +82,7 @@ class Result:
         """Read any run directory: metrics each iteration once, latest committed checkpoint."""
         storage = Storage.from_url(path, storage_filesystem)
         manifest = mf.load(storage)
-        rows = history.timeline(history.read_rows(storage))
+        last = history.last_row(storage)
         markers = {}
         names, _ = commit.scan(storage)
         for name in names:
@@ -91,14 +101,14 @@ class Result:
             summary = next((a.error for a in reversed(manifest.attempts) if a.error), manifest.status)
             error = TrainingFailedError(f"run {storage.url()!r} is {manifest.status}: {summary}")
         return cls(
-            metrics=dict(rows[-1]) if rows else None,
+            metrics=dict(last) if last else None,
             checkpoint=handle(latest.name) if latest else None,
             error=error,
             path=storage.url(),
             best_checkpoints=[(handle(n), markers[n].metrics) for n in manifest.best_checkpoints
                               if n in markers],
             status=manifest.status,
-            rows=rows,
+            _filesystem=fs,
             checkpoints=[(handle(n), m.metrics) for n, m in markers.items()],
             _returned_in=manifest.attempt_count if manifest.status == mf.FINISHED else 0,
         )

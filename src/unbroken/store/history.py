@@ -4,6 +4,12 @@
 Rows are never deleted. When an attempt resumes from iteration k, the rows an earlier
 attempt wrote after k stay on disk but leave the timeline, so `timeline()` has each
 iteration exactly once.
+
+What a driver does per report, per sync and when it opens or closes a run costs the same
+however long the history is: it appends, reads only the end of the files, and extends
+progress.csv with its own rows (local disk), except on object stores, which cannot append:
+there result.json is rewritten whole at each sync and progress.csv at close
+(docs/guarantees.md has the figures).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import io
 import json
 import logging
 import math
+import os
 from typing import Any
 
 from unbroken.errors import MetricsNotSerializableError
@@ -23,6 +30,7 @@ log = logging.getLogger("unbroken")
 
 RESULT_JSON = "result.json"
 PROGRESS_CSV = "progress.csv"
+_TAIL_BYTES = 64 << 10  # how much of a file's end is read to find its last line
 
 
 def check_json_metrics(metrics: Any) -> None:
@@ -47,22 +55,30 @@ def _sanitize(value: Any) -> Any:
 
 
 class History:
-    """Appends rows to result.json and reads them back as one timeline."""
+    """Appends rows to result.json (and, at close, to progress.csv), reading neither whole."""
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._file: Appender | None = None
-        self._rows: list[dict] | None = None
+        self._before: dict | None = None  # the last row on disk when the history was opened
+        self._new: list[dict] = []        # the rows appended since
+        self.opened = False
 
     def open(self) -> None:
-        """Load existing rows, then open result.json for appending."""
-        rows = self._rows = read_rows(self.storage)
-        self._file = open_appender(self.storage, RESULT_JSON, initial=lambda: _lines(rows))
+        """Open result.json for appending (on object stores: read it whole, to rewrite it)."""
+        self._before = last_row(self.storage)
+        self._file = open_appender(self.storage, RESULT_JSON, initial=lambda: _whole_lines(self.storage))
+        self.opened = True
 
     def append(self, row: dict) -> None:
-        assert self._rows is not None and self._file is not None, "History.open() first"
+        assert self._file is not None, "History.open() first"
         self._file.append(_lines([row]))
-        self._rows.append(row)
+        self._new.append(row)
+
+    @property
+    def last(self) -> dict | None:
+        """The newest row, this driver's or the one it found on disk."""
+        return self._new[-1] if self._new else self._before
 
     def sync(self) -> None:
         """Make every appended row durable (before a checkpoint commits, and at attempt end)."""
@@ -72,17 +88,49 @@ class History:
     def close(self) -> None:
         if self._file is not None:
             self.sync()
-            write_progress_csv(self.storage, self._rows or [])
+            update_progress_csv(self.storage, self._before, self._new)
             self._file.close()
             self._file = None
-
-    @property
-    def rows(self) -> list[dict]:
-        return list(self._rows or [])
 
 
 def _lines(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r, default=repr) + "\n" for r in rows).encode()
+
+
+def _whole_lines(storage: Storage) -> bytes:
+    """result.json as stored, without a torn last line."""
+    try:
+        data = storage.read_bytes(RESULT_JSON)
+    except FileNotFoundError:
+        return b""
+    return data[:data.rfind(b"\n") + 1]
+
+
+def _tail(storage: Storage, rel: str) -> bytes | None:
+    """The last _TAIL_BYTES of `rel` (None if it does not exist)."""
+    try:
+        size = storage.size(rel)
+    except FileNotFoundError:
+        return None
+    with storage.open_read(rel) as f:
+        f.seek(max(0, size - _TAIL_BYTES))
+        return f.read()
+
+
+def last_row(storage: Storage) -> dict[str, Any] | None:
+    """The last metric row (always on the timeline), read from the end of result.json."""
+    tail = _tail(storage, RESULT_JSON)
+    for line in reversed((tail or b"").splitlines()):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line, or the cut first line of the window
+        if isinstance(row, dict):
+            return row
+    if tail is None or len(tail) < _TAIL_BYTES:
+        return None
+    rows = read_rows(storage)  # a last line longer than the window
+    return rows[-1] if rows else None
 
 
 def read_rows(storage: Storage) -> list[dict]:
@@ -124,6 +172,50 @@ def to_dataframe(rows: list[dict]):
     return pd.DataFrame(rows)
 
 
+def update_progress_csv(storage: Storage, before: dict | None, new: list[dict]) -> None:
+    """Bring progress.csv up to date with result.json: on local disk, when it ends with the row
+    `before` and its header has every column of the `new` rows, by appending them; otherwise
+    (object stores, new columns, a file behind or torn) by rewriting it from every row."""
+    if not new and before is None:
+        return
+    header, last = _csv_ends(storage)
+    current = header is not None and (before is None and last is None or (
+        before is not None and last is not None and last.get("timestamp") == str(before.get("timestamp"))))
+    if current and not new:
+        return
+    if current and storage.is_local and all(k in header for r in new for k in r):
+        buf = io.StringIO()
+        csv.DictWriter(buf, fieldnames=header, lineterminator="\n").writerows(_sanitized(new))
+        with open(storage.local_path(PROGRESS_CSV), "ab") as f:
+            f.write(buf.getvalue().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    write_progress_csv(storage, read_rows(storage))
+
+
+def _csv_ends(storage: Storage) -> tuple[list[str] | None, dict[str, str] | None]:
+    """progress.csv's header and its last row (None where there is none or it does not read)."""
+    try:
+        with storage.open_read(PROGRESS_CSV) as f:
+            first = f.readline().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None, None
+    header = next(csv.reader([first]), None)
+    tail = _tail(storage, PROGRESS_CSV) or b""
+    if not header or not tail.endswith(b"\n"):
+        return None, None
+    line = tail[:-1].rsplit(b"\n", 1)[-1].decode("utf-8", errors="replace")
+    if line == first.rstrip("\n"):
+        return header, None
+    values = next(csv.reader([line]), [])
+    return (header, dict(zip(header, values, strict=True))) if len(values) == len(header) else (None, None)
+
+
+def _sanitized(rows: list[dict]) -> Any:
+    return ({k: _sanitize(v) for k, v in r.items()} for r in rows)
+
+
 def write_progress_csv(storage: Storage, rows: list[dict]) -> None:
     """All rows (abandoned ones included, with their attempt) as a table; columns in first-seen order."""
     if not rows:
@@ -132,5 +224,5 @@ def write_progress_csv(storage: Storage, rows: list[dict]) -> None:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    writer.writerows({k: _sanitize(v) for k, v in r.items()} for r in rows)
+    writer.writerows(_sanitized(rows))
     storage.write_atomic(PROGRESS_CSV, buf.getvalue().encode())
