@@ -369,3 +369,45 @@ def test_options_v2_removed_stay_supported_for_v1_scripts(storage):
                             run_config=run_config("fast", failure_config=FailureConfig(max_failures=3,
                                                                                         fail_fast=True))).fit()
     assert len(run_json(os.path.join(storage, "fast"))["attempts"]) == 1
+
+
+# -- runs and sweeps without a name ------------------------------------------------------------
+def test_two_trainers_without_a_name_in_the_same_second_each_run_their_own(storage, monkeypatch):
+    """Ray's results example: a default name is `<Trainer>_<date to the second>`, so two trainers
+    made in the same second shared a directory and the second fit() returned the first one's
+    result, never raising its own error. A generated name is unique, and a run opened under one
+    is always new: here the second trainer is even dealt the first one's name (the same random
+    part too) and fit() picks another."""
+    import secrets
+
+    from loops import simple_loop
+
+    drawn = iter(["aaaaaaaa", "aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(drawn))
+    first = DataParallelTrainer(simple_loop, train_loop_config={"iterations": 2},
+                                run_config=RunConfig(storage_path=storage, verbose=0))
+    second = DataParallelTrainer(simple_loop, train_loop_config={"iterations": 2, "fail_at": 1},
+                                 run_config=RunConfig(storage_path=storage, verbose=0))
+    assert first.run_config.name == second.run_config.name  # as Ray would name them in one second
+    assert first.run_config.name.startswith("DataParallelTrainer_")
+    done = first.fit()
+    with pytest.raises(TrainingFailedError, match="injected failure at iteration 1"):
+        second.fit()
+    assert second.run_config.name.endswith("_bbbbbbbb") and done.path.endswith("_aaaaaaaa")
+    assert sorted(os.listdir(storage)) == sorted([first.run_config.name, second.run_config.name])
+
+
+def test_two_tuners_without_a_name_never_share_a_sweep(storage, monkeypatch):
+    import secrets
+
+    from tune_loops import tune_loop
+    from unbroken import tune
+
+    drawn = iter(["aaaaaaaa", "aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(drawn))
+    tuners = [tune.Tuner(tune_loop, param_space={"x": tune.grid_search([x])},
+                         run_config=RunConfig(storage_path=storage, verbose=0)) for x in (1, 2)]
+    grids = [t.fit() for t in tuners]
+    assert [g[0].config["x"] for g in grids] == [1, 2], "each sweep ran its own trials"
+    assert tuners[1].run_config.name.endswith("_bbbbbbbb")
+    assert len(os.listdir(storage)) == 2

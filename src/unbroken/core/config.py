@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -93,9 +95,18 @@ class CheckpointConfig:
             raise ValueError("CheckpointConfig.checkpoint_score_order must be 'max' or 'min'")
 
 
+def generated_name(prefix: str) -> str:
+    """A run or sweep name for RunConfig(name=None): `<prefix>_<YYYY-mm-dd_HH-MM-SS>_<8 hex>`.
+    Ray's names stop at the second; two runs started in the same second then shared a
+    directory, and the second fit() returned the first one's result."""
+    return f"{prefix}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(4)}"
+
+
 @dataclass
 class RunConfig:
     """Where a run lives and how it behaves. `name` and `storage_path` identify the run.
+    Without a `name`, fit() gives the run a new one of its own (`generated_name`), which is
+    never that of an existing run: auto-resume is for names you chose.
 
     `resume`: what fit() does with an existing run of the same name ("auto": continue it;
     "never": refuse; "must": refuse when there is none). `allow_config_change`: continue an

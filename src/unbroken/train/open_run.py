@@ -5,10 +5,11 @@ runs (`RUN`). Nothing is written before every check has passed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from typing import Any
 
+from unbroken.core.config import generated_name
 from unbroken.execution.engine.factory import check_can_run
 from unbroken.run.handle import Run
 from unbroken.run.identity import check_identity, identity_changes
@@ -22,11 +23,6 @@ from unbroken.store.manifest import load as load_manifest
 from unbroken.store.storage import Storage
 
 log = logging.getLogger("unbroken")
-
-
-def default_name(trainer_class: type) -> str:
-    """The run name used when RunConfig(name=None): `<Trainer>_<YYYY-mm-dd_HH-MM-SS>`."""
-    return f"{trainer_class.__name__}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
 def restore_hint(trainer_class: type, path: str) -> str:
@@ -58,6 +54,9 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
     else:
         root = Storage.from_url(config.resolved_storage_path(), config.storage_filesystem)
         storage = root.child(config.name)
+        while getattr(trainer, "_name_generated", False) and not opening.is_fresh_dir(RUN, storage):
+            config = trainer.run_config = dataclasses.replace(config, name=generated_name(cls.__name__))
+            storage = root.child(config.name)
     path = storage.url()
     check_can_run(trainer.scaling_config)  # fails now for an engine or GPUs this machine lacks
     saved = encode_trainer(cls, trainer._init_args)  # fails now if an argument cannot be saved

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from unbroken.core.codec import bind_init_args, qualified_name
-from unbroken.core.config import RunConfig, ScalingConfig
+from unbroken.core.config import RunConfig, ScalingConfig, generated_name
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.execution.controller import Controller
 from unbroken.execution.engine.factory import make_worker_group
@@ -23,7 +23,7 @@ from unbroken.store import manifest as mf
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.pickled import SavedPickles
 from unbroken.store.storage import Storage, split_run_url
-from unbroken.train.open_run import default_name, open_run, restore_hint
+from unbroken.train.open_run import open_run, restore_hint
 from unbroken.worker import session as _session
 from unbroken.worker.backend import Backend
 
@@ -53,8 +53,9 @@ class BaseTrainer:
                  resume_from_checkpoint: Checkpoint | None = None) -> None:
         self.scaling_config = _check_type("scaling_config", scaling_config, ScalingConfig) or ScalingConfig()
         run_config = _check_type("run_config", run_config, RunConfig) or RunConfig()
-        if not run_config.name:
-            run_config = dataclasses.replace(run_config, name=default_name(type(self)))
+        self._name_generated = not run_config.name
+        if self._name_generated:
+            run_config = dataclasses.replace(run_config, name=generated_name(type(self).__name__))
         self.run_config = run_config
         self.datasets = dict(datasets or {})
         self.resume_from_checkpoint = _check_type("resume_from_checkpoint", resume_from_checkpoint,

@@ -21,10 +21,9 @@ import dataclasses
 import logging
 import os
 import random
-import time
 from typing import Any
 
-from unbroken.core.config import RunConfig
+from unbroken.core.config import RunConfig, generated_name
 from unbroken.errors import RunExistsError, RunNotFoundError
 from unbroken.execution.engine.factory import check_can_run
 from unbroken.run.identity import identity
@@ -82,9 +81,9 @@ class Tuner:
         self.trainable = trainable
         self.tune_config = tune_config or TuneConfig()
         run_config = run_config or RunConfig()
-        if not run_config.name:
-            name = f"{trainable_name(trainable)}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
-            run_config = dataclasses.replace(run_config, name=name)
+        self._name_generated = not run_config.name  # then never an existing sweep's (see _storage)
+        if self._name_generated:
+            run_config = dataclasses.replace(run_config, name=generated_name(trainable_name(trainable)))
         self.run_config = run_config
         self._searcher = _searcher(self.tune_config)
         self._scheduler = _scheduler(self.tune_config)
@@ -139,6 +138,11 @@ class Tuner:
         rc, tc = self.run_config, self.tune_config
         restored = self._restored_from is not None
         storage = self._storage()
+        generated = getattr(self, "_name_generated", False) and not restored
+        while generated and not opening.is_fresh_dir(SWEEP, storage):  # taken: another new name
+            name = generated_name(trainable_name(self.trainable))
+            rc = self.run_config = dataclasses.replace(rc, name=name)
+            storage = self._storage()
         path = storage.url()
         saved = encode_tuner(self)  # fails now if an argument cannot be saved
         if isinstance(self.trainable, BaseTrainer):
