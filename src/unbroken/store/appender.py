@@ -1,28 +1,90 @@
 """Files of newline-terminated records opened for appending (result.json), on any storage.
 
 Locally the file is appended to in place, unbuffered, and a torn last record left by a
-killed writer is cut first; object stores cannot append, so there the whole file is kept in
-memory and rewritten by each sync() in one put.
+killed writer is cut first.
+
+Object stores cannot append. There each sync() puts the records since the last one as a
+part, `.unbroken/parts/<rel>/<offset>-<length>.part`, named by where its bytes begin in the
+whole file and how many there are. The whole file is `rel` followed by the parts that begin
+at or after its end; a part that begins before it is already in it. Now and then (when the
+parts add up to as much as `rel`, or number MAX_PARTS) and at close() the parts are folded
+into `rel`: one put of the whole file, then the parts are removed. A kill between the two
+leaves parts that the rule above ignores and the next writer removes. A sync costs one put
+of its own records, and the folds add up to a constant number of puts per byte.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from unbroken.errors import StorageError
+from unbroken.store.manifest_base import META_DIR
 from unbroken.store.storage import Storage
 from unbroken.store.storage_errors import is_full
 
+MAX_PARTS = 64  # parts a reader of an object store may have to fetch besides the file
 
-def open_appender(storage: Storage, rel: str, initial: Callable[[], bytes]) -> Appender:
-    """`rel` on `storage` opened for appending records; on an object store its contents start
-    as `initial()` (what is already there, as the caller read it)."""
+
+def open_appender(storage: Storage, rel: str) -> Appender:
+    """`rel` on `storage` opened for appending records."""
     if storage.is_local:
         return _LocalAppender(storage, rel)
-    return _RewriteAppender(storage, rel, initial())
+    return _PartsAppender(storage, rel)
+
+
+def read_whole(storage: Storage, rel: str) -> bytes:
+    """Every record of `rel`, its parts included (object stores), without a torn last record;
+    b"" when there is none. FileNotFoundError never."""
+    try:
+        base = storage.read_bytes(rel)
+    except FileNotFoundError:
+        base = b""
+    newer, _ = _parts(storage, rel, len(base))
+    data = base + b"".join(storage.read_bytes(part) for _, part in newer)
+    return data[:data.rfind(b"\n") + 1]
+
+
+def read_tail(storage: Storage, rel: str, window: int) -> tuple[bytes, bool] | None:
+    """The end of the whole of `rel` (None where it does not exist): its newest part, which
+    holds whole records, or else its last `window` bytes. The flag says whether more comes
+    before (the first record of the bytes may then be cut)."""
+    try:
+        size = storage.size(rel)
+    except FileNotFoundError:
+        size = None
+    newer, _ = _parts(storage, rel, size or 0)
+    if newer:
+        return storage.read_bytes(newer[-1][1]), True
+    if size is None:
+        return None
+    with storage.open_read(rel) as f:
+        f.seek(max(0, size - window))
+        return f.read(), size > window
+
+
+def _parts_dir(rel: str) -> str:
+    return f"{META_DIR}/parts/{rel}"
+
+
+def _parts(storage: Storage, rel: str, size: int) -> tuple[list[tuple[int, str]], list[str]]:
+    """([(length, path)] of the parts that continue `rel` (of `size` bytes), in order; the
+    parts already folded into it). Object stores only: elsewhere there are none."""
+    if storage.is_local:
+        return [], []
+    found = []
+    for name in storage.listdir(_parts_dir(rel)):
+        offset, _, length = name.removesuffix(".part").partition("-")
+        if name.endswith(".part") and offset.isdigit() and length.isdigit():
+            found.append((int(offset), int(length), f"{_parts_dir(rel)}/{name}"))
+    found.sort()
+    newer, end = [], size
+    for offset, length, path in found:
+        if offset == end:
+            newer.append((length, path))
+            end += length
+    return newer, [path for offset, _, path in found if offset < size]
 
 
 class Appender(Protocol):
@@ -71,21 +133,49 @@ class _LocalAppender:
         self._file.close()
 
 
-class _RewriteAppender:
-    """Object stores: the file's bytes, rewritten whole (one put) at each sync()."""
+class _PartsAppender:
+    """Object stores: each sync() puts a part; parts are folded into the file now and then
+    (see the module docstring)."""
 
-    def __init__(self, storage: Storage, rel: str, initial: bytes) -> None:
+    def __init__(self, storage: Storage, rel: str) -> None:
         self._storage, self._rel = storage, rel
-        self._data = bytearray(initial)
+        try:
+            self._size = storage.size(rel)
+        except FileNotFoundError:
+            self._size = 0
+        newer, folded = _parts(storage, rel, self._size)
+        for path in folded:
+            storage.remove(path)  # left by a fold that was cut short
+        self._parts = [path for _, path in newer]
+        self._parts_bytes = sum(length for length, _ in newer)
+        self._pending = bytearray()
 
     def append(self, data: bytes) -> None:
-        self._data += data
+        self._pending += data
 
     def sync(self) -> None:
-        self._storage.write_atomic(self._rel, bytes(self._data))
+        if not self._pending:
+            return
+        offset = self._size + self._parts_bytes
+        path = f"{_parts_dir(self._rel)}/{offset:016d}-{len(self._pending):010d}.part"
+        self._storage.write_atomic(path, bytes(self._pending))
+        self._parts.append(path)
+        self._parts_bytes += len(self._pending)
+        self._pending.clear()
+        if self._parts_bytes >= self._size or len(self._parts) >= MAX_PARTS:
+            self._fold()
+
+    def _fold(self) -> None:
+        data = read_whole(self._storage, self._rel)
+        self._storage.write_atomic(self._rel, data)
+        for path in self._parts:
+            self._storage.remove(path)
+        self._size, self._parts, self._parts_bytes = len(data), [], 0
 
     def close(self) -> None:
-        pass
+        self.sync()
+        if self._parts:
+            self._fold()
 
 
 def _drop_torn_tail(f: Any) -> None:

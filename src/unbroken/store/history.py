@@ -6,9 +6,9 @@ attempt wrote after k stay on disk but leave the timeline, so `timeline()` has e
 iteration exactly once.
 
 What a driver does per report, per sync and when it opens or closes a run costs the same
-however long the history is: it appends, reads only the end of the files, and extends
-progress.csv with its own rows (local disk), except on object stores, which cannot append:
-there result.json is rewritten whole at each sync and progress.csv at close
+however long the history is: it appends (on object stores, a part per sync; see
+store.appender), reads only the end of the files, and extends progress.csv with its own
+rows, except on object stores, where progress.csv is rewritten once per fit()
 (docs/guarantees.md has the figures).
 """
 
@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from unbroken.errors import MetricsNotSerializableError
-from unbroken.store.appender import Appender, open_appender
+from unbroken.store.appender import Appender, open_appender, read_tail, read_whole
 from unbroken.store.storage import Storage
 
 log = logging.getLogger("unbroken")
@@ -67,7 +67,7 @@ class History:
     def open(self) -> None:
         """Open result.json for appending (on object stores: read it whole, to rewrite it)."""
         self._before = last_row(self.storage)
-        self._file = open_appender(self.storage, RESULT_JSON, initial=lambda: _whole_lines(self.storage))
+        self._file = open_appender(self.storage, RESULT_JSON)
         self.opened = True
 
     def append(self, row: dict) -> None:
@@ -97,15 +97,6 @@ def _lines(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r, default=repr) + "\n" for r in rows).encode()
 
 
-def _whole_lines(storage: Storage) -> bytes:
-    """result.json as stored, without a torn last line."""
-    try:
-        data = storage.read_bytes(RESULT_JSON)
-    except FileNotFoundError:
-        return b""
-    return data[:data.rfind(b"\n") + 1]
-
-
 def _tail(storage: Storage, rel: str) -> bytes | None:
     """The last _TAIL_BYTES of `rel` (None if it does not exist)."""
     try:
@@ -119,15 +110,18 @@ def _tail(storage: Storage, rel: str) -> bytes | None:
 
 def last_row(storage: Storage) -> dict[str, Any] | None:
     """The last metric row (always on the timeline), read from the end of result.json."""
-    tail = _tail(storage, RESULT_JSON)
-    for line in reversed((tail or b"").splitlines()):
+    tail = read_tail(storage, RESULT_JSON, _TAIL_BYTES)
+    if tail is None:
+        return None
+    data, more = tail
+    for line in reversed(data.splitlines()):
         try:
             row = json.loads(line)
         except ValueError:
             continue  # a torn last line, or the cut first line of the window
         if isinstance(row, dict):
             return row
-    if tail is None or len(tail) < _TAIL_BYTES:
+    if not more:
         return None
     rows = read_rows(storage)  # a last line longer than the window
     return rows[-1] if rows else None
@@ -135,10 +129,7 @@ def last_row(storage: Storage) -> dict[str, Any] | None:
 
 def read_rows(storage: Storage) -> list[dict]:
     """Every row on disk, in write order. A torn last line (a crash mid-write) is skipped."""
-    try:
-        data = storage.read_bytes(RESULT_JSON).decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
+    data = read_whole(storage, RESULT_JSON).decode("utf-8", errors="replace")
     rows = []
     lines = data.splitlines()
     for i, line in enumerate(lines):
