@@ -7,7 +7,7 @@ Each measurement runs in a fresh Python process (this file with --job), on local
 temporary directory:
 
 1. reports: one worker reports N times (no checkpoint). The per-report cost is timed in
-   ten windows, so the first tenth and the last can be compared. Then the run's stored
+   ten windows; the table compares the median of the first three with the last three. Then the run's stored
    history is opened three ways: `Result.from_path`, `unbroken show` (a fresh process), and
    a restore that resumes at the last row and finishes (`Trainer.restore(path).fit()`).
 2. checkpoints: one worker reports N times, each with a checkpoint (one small file), through
@@ -171,8 +171,14 @@ def s3_history(n: int) -> tuple[str, ...]:
     finally:
         server.stdin.close()
         server.wait()
+    early, late = early_late(windows)
     return (f"S3: train.report, {n:,} reports, a checkpoint every {S3_CKPT_EVERY}",
-            "per report, first tenth", ms(windows[0]), "last tenth", ms(windows[-1]))
+            "per report, first 3 tenths", early, "last 3 tenths", late)
+
+
+def early_late(windows: list[float]) -> tuple[str, str]:
+    """The median per-report cost of the first three tenths and of the last three."""
+    return ms(statistics.median(windows[:3])), ms(statistics.median(windows[-3:]))
 
 
 def ms(seconds: float) -> str:
@@ -200,18 +206,19 @@ def main(argv: list[str] | None = None) -> int:
         if "reports" in only:
             small = run_job("reports", os.path.join(root, "r-small"), max(WINDOWS, args.reports // 100))
             big = run_job("reports", os.path.join(root, "r-big"), args.reports)
-            w = big["windows_s"]
-            rows.append((f"train.report, {args.reports:,} reports", "per report, first tenth",
-                         ms(w[0]), "last tenth", ms(w[-1])))
+            early, late = early_late(big["windows_s"])
+            rows.append((f"train.report, {args.reports:,} reports", "per report, first 3 tenths", early,
+                         "last 3 tenths", late))
             for key, label in (("result_s", "Result.from_path + metrics_dataframe"),
                                ("show_s", "`unbroken show` (a fresh process)"),
                                ("restore_fit_s", "restore + fit() (resumes at the last row)")):
                 rows.append((label, f"{args.reports // 100:,} rows", f"{small[key]:.2f} s",
                              f"{args.reports:,} rows", f"{big[key]:.2f} s"))
         if "checkpoints" in only:
-            w = run_job("checkpoints", os.path.join(root, "c"), args.checkpoints)["windows_s"]
+            timed = run_job("checkpoints", os.path.join(root, "c"), args.checkpoints)
+            early, late = early_late(timed["windows_s"])
             rows.append((f"report + commit + retention (num_to_keep=2), {args.checkpoints:,} checkpoints",
-                         "per report, first tenth", ms(w[0]), "last tenth", ms(w[-1])))
+                         "per report, first 3 tenths", early, "last 3 tenths", late))
         if "sweep" in only:
             few = max(2, args.trials // 16)
             small = run_job("sweep", os.path.join(root, "s-small"), few)

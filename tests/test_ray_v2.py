@@ -2,6 +2,7 @@
 configs and Result, and V2's way to continue a run (re-running it), on real worker processes."""
 
 import json
+import logging
 import os
 import signal
 
@@ -38,14 +39,14 @@ def v2_trainer(loop, storage, name, config, **run):
                                run_config=RunConfig(name=name, storage_path=storage, **run))
 
 
-def test_v2_imports():
+def test_v2_imports(caplog):
     from unbroken.train.torch import TorchTrainer, prepare_data_loader, prepare_model  # noqa: F401
 
     for name in ("report", "get_context", "get_checkpoint", "get_dataset_shard", "Checkpoint",
                  "CheckpointUploadMode", "CheckpointConsistencyMode", "ReportedCheckpoint", "UserCallback",
                  "get_all_reported_checkpoints", "collective", "WorkerGroupError", "ControllerError",
                  "TrainingFailedError", "RunConfig", "ScalingConfig", "FailureConfig", "CheckpointConfig",
-                 "Result"):
+                 "Result", "ReportedCheckpointStatus"):
         assert hasattr(train, name), name
     assert issubclass(train.WorkerGroupError, TrainingFailedError)
     assert issubclass(train.ControllerError, TrainingFailedError)
@@ -53,6 +54,12 @@ def test_v2_imports():
     # V2's FailureConfig and ScalingConfig options are accepted; nonsense is not.
     FailureConfig(max_failures=1, controller_failure_limit=3, max_preemption_failures=0)
     ScalingConfig(num_workers=2, placement_strategy="SPREAD", accelerator_type="A100")
+    # V1's trainer_resources: accepted with a warning (the driver takes no resources); V2's total.
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        scaling = ScalingConfig(num_workers=2, use_gpu=True, trainer_resources={"CPU": 1})
+    assert "trainer_resources" in caplog.text and "no effect" in caplog.text
+    assert scaling.total_resources == {"CPU": 2.0, "GPU": 2.0}
+    assert ScalingConfig(num_workers=3, resources_per_worker={"CPU": 2}).total_resources == {"CPU": 6.0}
     with pytest.raises(ValueError, match="controller_failure_limit"):
         FailureConfig(controller_failure_limit=-2)
     with pytest.raises(UnsupportedOptionError, match="env_vars"):
@@ -85,6 +92,7 @@ def test_custom_names_async_metric_only_reports_and_user_callback(storage, tmp_p
     value = result.return_value
     assert value["kept_local"] == [False, False, False]
     assert value["reported"] == [["epoch_1", 2], ["epoch_2", 4], ["epoch_3", 6]]
+    assert value["statuses"] == [train.ReportedCheckpointStatus.COMMITTED.value]  # V2 scripts read r.status
     assert value["storage"] == [storage, "v2", True]
     # Scores 2, 4, 1: the best by max is epoch_2, by min epoch_3.
     assert os.path.basename(result.get_best_checkpoint("score", "max").path) == "epoch_2"

@@ -36,6 +36,7 @@ def shard_loop(config: dict) -> dict:
     reported = train.get_all_reported_checkpoints()
     return {"reported": [(os.path.basename(r.checkpoint.path), r.metrics["training_iteration"])
                          for r in reported],
+            "statuses": sorted({r.status.value for r in reported}),
             "kept_local": kept_local,
             "storage": [storage.storage_path, storage.experiment_dir_name,
                         os.path.isdir(storage.experiment_fs_path)]}

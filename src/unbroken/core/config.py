@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unbroken.errors import UnsupportedOptionError
+
+log = logging.getLogger("unbroken")
 
 ENGINES = ("auto", "local", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -24,6 +27,8 @@ class ScalingConfig:
     called `ray.init()`, else local. `placement_strategy` and `accelerator_type` mean what
     they mean in Ray (a placement group's strategy; a node's accelerator type) and are
     accepted but have no effect on the local engine, where every rank is on this machine.
+    `trainer_resources` (Ray Train V1) is accepted with a warning and has no effect: the
+    driver runs in the calling process and takes no resources of its own (Ray V2 refuses it).
     """
 
     num_workers: int = 1
@@ -32,6 +37,7 @@ class ScalingConfig:
     engine: Literal["auto", "local", "ray"] = "auto"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     accelerator_type: str | None = None
+    trainer_resources: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -41,6 +47,18 @@ class ScalingConfig:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"ScalingConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                              f"got {self.placement_strategy!r}")
+        if self.trainer_resources is not None:
+            log.warning("ScalingConfig(trainer_resources=%r) has no effect: the driver runs in the "
+                        "calling process and takes no resources of its own", self.trainer_resources)
+
+    @property
+    def total_resources(self) -> dict[str, float]:
+        """What the workers need in all (Ray V2): each worker's resources (CPU 1 and, with
+        use_gpu, GPU 1 unless `resources_per_worker` says otherwise) times num_workers."""
+        per = dict(self.resources_per_worker or {"CPU": 1.0})
+        if self.use_gpu:
+            per.setdefault("GPU", 1.0)
+        return {name: float(amount) * self.num_workers for name, amount in per.items()}
 
     def cpus_per_worker(self) -> int:
         """Intra-op threads each worker gets: its CPU resources, or an even share of this machine."""

@@ -30,6 +30,7 @@ from unbroken.worker.report_config import (
     CheckpointConsistencyMode,
     CheckpointUploadMode,
     ReportedCheckpoint,
+    ReportedCheckpointStatus,
     delete_after_upload,
 )
 from unbroken.worker.session import StorageContext, TrainContext
@@ -37,7 +38,8 @@ from unbroken.worker.session import StorageContext, TrainContext
 __all__ = [
     "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "CheckpointConsistencyMode",
     "CheckpointUploadMode", "ControllerError", "DataParallelTrainer", "FailureConfig",
-    "MLflowLoggerCallback", "ReportedCheckpoint", "Result", "RunConfig", "RunInfo", "ScalingConfig",
+    "MLflowLoggerCallback", "ReportedCheckpoint", "ReportedCheckpointStatus", "Result", "RunConfig",
+    "RunInfo", "ScalingConfig",
     "StorageContext", "TensorBoardLoggerCallback", "TrainContext", "TrainingFailedError", "UserCallback",
     "WorkerGroupError",
     "collective", "get_all_reported_checkpoints", "get_checkpoint", "get_context", "get_dataset_shard",

@@ -1,5 +1,6 @@
 """The options of `train.report` that Ray Train V2 added, with unbroken's meaning for each:
-`CheckpointUploadMode`, `CheckpointConsistencyMode`, `ReportedCheckpoint`, and the check
+`CheckpointUploadMode`, `CheckpointConsistencyMode`, `ReportedCheckpoint` with its
+`ReportedCheckpointStatus`, and the check
 that turns a V2 option unbroken does not support into an error that says what to do instead.
 """
 
@@ -45,6 +46,18 @@ class CheckpointConsistencyMode(enum.Enum):
     VALIDATED = "VALIDATED"
 
 
+class ReportedCheckpointStatus(enum.Enum):
+    """Where a reported checkpoint stands (Ray Train V2). unbroken runs no validation, so a
+    checkpoint that `get_all_reported_checkpoints` returns is always COMMITTED; the other
+    values exist so that V2 scripts comparing against them run."""
+
+    COMMITTED = "COMMITTED"
+    PENDING_VALIDATION = "PENDING_VALIDATION"
+    VALIDATED = "VALIDATED"
+    VALIDATION_TIMEOUT = "VALIDATION_TIMEOUT"
+    VALIDATION_FAILED = "VALIDATION_FAILED"
+
+
 @dataclass(frozen=True)
 class ReportedCheckpoint:
     """A committed checkpoint of the run and the metric row of the report that carried it
@@ -52,6 +65,7 @@ class ReportedCheckpoint:
 
     checkpoint: Checkpoint
     metrics: dict[str, Any]
+    status: ReportedCheckpointStatus = ReportedCheckpointStatus.COMMITTED
 
 
 def delete_after_upload(mode: Any, delete_local: bool | None, upload_fn: Any, validation: Any,
