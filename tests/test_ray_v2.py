@@ -31,7 +31,7 @@ from unbroken.train import (
     ScalingConfig,
     TrainingFailedError,
 )
-from v2_loops import Recorder, env_loop, epochs_loop, option_loop, shard_loop, torch_helpers_loop
+from v2_loops import Recorder, env_loop, epochs_loop, follow_loop, option_loop, shard_loop, torch_helpers_loop
 
 
 def v2_trainer(loop, storage, name, config, **run):
@@ -419,3 +419,23 @@ def test_two_tuners_without_a_name_never_share_a_sweep(storage, monkeypatch):
     assert [g[0].config["x"] for g in grids] == [1, 2], "each sweep ran its own trials"
     assert tuners[1].run_config.name.endswith("_bbbbbbbb")
     assert len(os.listdir(storage)) == 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_get_checkpoint_follows_the_latest_committed_checkpoint(storage, tmp_path, mode):
+    """As in V2, train.get_checkpoint() after a report with a checkpoint returns it (once
+    committed; an asynchronous save once its commit is known), not the one the attempt
+    started from; a restored run starts from its latest. Every rank sees the same: rank 1,
+    which saves nothing here, follows rank 0's checkpoints too (V2 keeps rank 1's own)."""
+    config = {"iterations": 4, "dir": str(tmp_path), "async": mode == "async"}
+    result = v2_trainer(follow_loop, storage, "follow", config).fit()
+    expected = [None, None, "checkpoint_000002", "checkpoint_000002", "checkpoint_000004"]
+    assert result.return_value["seen"] == expected
+    rank1 = json.load(open(tmp_path / "rank1.json"))
+    if mode == "sync":
+        assert rank1 == expected  # the reply to each round names the checkpoint it committed
+    else:  # rank 1 learns of rank 0's background commit when the driver's message reaches it
+        seen = [name or "" for name in rank1]
+        assert seen == sorted(seen) and all(a <= (b or "") for a, b in zip(seen, expected, strict=True))
+    again = DataParallelTrainer.restore(result.path, train_loop_config=dict(config, iterations=2)).fit()
+    assert again.return_value["seen"][0] == "checkpoint_000004"

@@ -102,3 +102,29 @@ def env_loop(config: dict) -> str:
     """Returns the value of the environment variable config["name"] in rank 0."""
     train.report({"x": 1})
     return os.environ.get(config["name"], "")
+
+
+def follow_loop(config: dict) -> dict:
+    """Reports `iterations` times; rank 0 attaches a checkpoint to every other report (ASYNC
+    with `async`). After each report every rank notes what train.get_checkpoint() returns;
+    returns rank 0's notes, and writes rank 1's to `<dir>/rank1.json`."""
+    rank = train.get_context().get_world_rank()
+    mode = CheckpointUploadMode.ASYNC if config.get("async") else CheckpointUploadMode.SYNC
+    start = train.get_checkpoint()
+    seen = [os.path.basename(start.path) if start else None]
+    for it in range(1, config["iterations"] + 1):
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0 and it % 2 == 0:
+                open(os.path.join(d, "it.txt"), "w").write(str(it))
+                train.report({"it": it}, checkpoint=Checkpoint.from_directory(d),
+                             checkpoint_upload_mode=mode)
+            else:
+                train.report({"it": it})
+        if config.get("async"):
+            train.get_all_reported_checkpoints()  # waits for this rank's latest save to commit
+        latest = train.get_checkpoint()
+        seen.append(os.path.basename(latest.path) if latest else None)
+    if rank == 1:
+        with open(os.path.join(config["dir"], "rank1.json"), "w") as f:
+            json.dump(seen, f)
+    return {"seen": seen}

@@ -409,14 +409,17 @@ class Controller:
 
     def _reply(self, iteration: int, row: dict[str, Any], saved: bool) -> Reply:
         """The reply to round `iteration`: stop when its row meets `RunConfig.stop`; while Stopping
-        for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint)."""
+        for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint). It
+        names the checkpoint the round committed, if it did."""
         stop = _stop_met(self.run_config.stop, row)
+        latest = self.run.checkpoints.latest
+        committed = latest.name if latest is not None and latest.iteration == iteration else None
         state = self.state
         if not isinstance(state, states.Stopping):
-            return Reply(stop=stop, checkpoint=False)
+            return Reply(stop=stop, checkpoint=False, committed=committed)
         if state.asked_at is None:
             self._transition(state.asking_at(iteration))
-            return Reply(stop=stop, checkpoint=True)
+            return Reply(stop=stop, checkpoint=True, committed=committed)
         self._transition(state.stopping_workers())
         if not saved:
             latest = self.run.checkpoints.latest
@@ -424,7 +427,7 @@ class Controller:
                         "asked (train.get_context().should_checkpoint() was true); a restore "
                         "resumes from %s", self.run.path, iteration,
                         latest.name if latest else "the start")
-        return Reply(stop=True, checkpoint=False)
+        return Reply(stop=True, checkpoint=False, committed=committed)
 
     def _commit_async(self, group: WorkerGroup, rounds: ReportRounds, save: PendingCommit) -> None:
         """Commit an asynchronous save whose files every rank made durable, and tell the ranks
@@ -434,7 +437,7 @@ class Controller:
         for rank in range(rounds.num_workers):
             if rank not in rounds.done and rank not in rounds.failed:
                 try:
-                    group.send(rank, Committed(save.iteration))
+                    group.send(rank, Committed(save.iteration, marker.name))
                 except OSError:
                     pass  # it ended meanwhile: its Done is on the way
 

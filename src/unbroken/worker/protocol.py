@@ -37,10 +37,12 @@ class Report:
 @dataclass(slots=True)
 class Reply:
     """The driver's answer to a complete round, the same for every rank: stop at the next
-    report, and/or checkpoint at it (a preemption)."""
+    report, and/or checkpoint at it (a preemption); `committed`: the name of the checkpoint
+    this round committed, if it did (`train.get_checkpoint()` follows it)."""
 
     stop: bool = False
     checkpoint: bool = False
+    committed: str | None = None
 
 
 @dataclass(slots=True)
@@ -77,9 +79,10 @@ class Staged:
 
 @dataclass(slots=True)
 class Committed:
-    """The driver committed the asynchronous checkpoint of report `iteration`."""
+    """The driver committed the asynchronous checkpoint of report `iteration`, as `name`."""
 
     iteration: int
+    name: str
 
 
 @dataclass(slots=True)

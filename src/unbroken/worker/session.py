@@ -183,6 +183,7 @@ class Session:
         self._saved_async = 0  # the iteration of this rank's latest asynchronous save
         self._committed_async = 0  # the latest one the driver said it committed
         self._async_names: set[str] = set()  # the names this rank gave its asynchronous saves
+        self._latest = info.checkpoint  # the run's latest committed checkpoint, as far as this rank knows
 
     def send(self, message: Any) -> None:
         with self._send_lock:
@@ -206,7 +207,17 @@ class Session:
             message = self.channel.recv()
             if not isinstance(message, Committed):
                 return message
-            self._committed_async = max(self._committed_async, message.iteration)
+            self._note_committed(message)
+
+    def _note_committed(self, message: Committed) -> None:
+        if message.iteration > self._committed_async:
+            self._committed_async = message.iteration
+            self._follow(message.name)
+
+    def _follow(self, name: str) -> None:
+        """The checkpoint `name` of this run committed: it is the latest (commits come in order)."""
+        storage = self.info.storage
+        self._latest = Checkpoint(storage.url(name), storage.filesystem_arg)
 
     def _take_reply(self) -> None:
         if self._awaiting_reply:
@@ -214,6 +225,8 @@ class Session:
             assert isinstance(reply, Reply), reply
             self._reply = reply
             self._awaiting_reply = False
+            if reply.committed is not None:
+                self._follow(reply.committed)
         if self._reply.stop:
             raise StopTraining()
 
@@ -325,7 +338,14 @@ class Session:
                         self.info.world_rank, e)
 
     def get_checkpoint(self) -> Checkpoint | None:
-        return self.info.checkpoint
+        """The run's latest committed checkpoint (Ray V2): the one the attempt started from
+        until a report's checkpoint commits. Waits for the driver's verdict on this rank's
+        latest report (its round's checkpoint commits before it)."""
+        try:
+            self._take_reply()
+        except StopTraining:
+            pass  # the next report raises it again: the stop is kept in the reply taken
+        return self._latest
 
     def reported_checkpoints(self) -> list[ReportedCheckpoint]:
         """The run's committed checkpoints, oldest first, once the checkpoint of this rank's
@@ -336,7 +356,7 @@ class Session:
         while self._committed_async < self._saved_async:
             message = self.channel.recv()
             assert isinstance(message, Committed), message
-            self._committed_async = message.iteration
+            self._note_committed(message)
         storage = self.info.storage
         out = []
         for name in scan(storage)[0]:
