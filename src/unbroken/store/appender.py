@@ -10,7 +10,9 @@ at or after its end; a part that begins before it is already in it. Now and then
 parts add up to as much as `rel`, or number MAX_PARTS) and at close() the parts are folded
 into `rel`: one put of the whole file, then the parts are removed. A kill between the two
 leaves parts that the rule above ignores and the next writer removes. A sync costs one put
-of its own records, and the folds add up to a constant number of puts per byte.
+of its own records; the folds at doubling sizes add up to a constant number of puts per
+byte, and the MAX_PARTS cap (how many parts a reader of a live run fetches) adds at most
+1/MAX_PARTS of a rewrite per sync.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class History:
         self.opened = False
 
     def open(self) -> None:
-        """Open result.json for appending (on object stores: read it whole, to rewrite it)."""
+        """Open result.json for appending; only its last row is read."""
         self._before = last_row(self.storage)
         self._file = open_appender(self.storage, RESULT_JSON)
         self.opened = True
@@ -95,17 +95,6 @@ class History:
 
 def _lines(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r, default=repr) + "\n" for r in rows).encode()
-
-
-def _tail(storage: Storage, rel: str) -> bytes | None:
-    """The last _TAIL_BYTES of `rel` (None if it does not exist)."""
-    try:
-        size = storage.size(rel)
-    except FileNotFoundError:
-        return None
-    with storage.open_read(rel) as f:
-        f.seek(max(0, size - _TAIL_BYTES))
-        return f.read()
 
 
 def last_row(storage: Storage) -> dict[str, Any] | None:
@@ -193,7 +182,7 @@ def _csv_ends(storage: Storage) -> tuple[list[str] | None, dict[str, str] | None
     except FileNotFoundError:
         return None, None
     header = next(csv.reader([first]), None)
-    tail = _tail(storage, PROGRESS_CSV) or b""
+    tail = (read_tail(storage, PROGRESS_CSV, _TAIL_BYTES) or (b"", False))[0]
     if not header or not tail.endswith(b"\n"):
         return None, None
     line = tail[:-1].rsplit(b"\n", 1)[-1].decode("utf-8", errors="replace")
