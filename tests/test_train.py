@@ -13,6 +13,7 @@ from unbroken.train import (
     BaseTrainer,
     CheckpointConfig,
     DataParallelTrainer,
+    FailureConfig,
     Result,
     RunConfig,
     ScalingConfig,
@@ -216,3 +217,35 @@ def test_ray_engine_without_ray_installed_is_refused_before_anything_is_written(
     with pytest.raises(MissingDependencyError, match=r"pip install 'unbroken\[ray\]'.*engine='local'"):
         trainer.fit()
     assert not os.path.exists(os.path.join(storage, "ray"))
+
+
+# -- fsspec filesystems that are neither this machine's disk nor an object store -------------------
+@pytest.mark.parametrize("kind", ["dirfs", "custom"])
+def test_a_run_on_another_kind_of_fsspec_filesystem_checkpoints_and_restores(tmp_path, kind):
+    """RunConfig(storage_filesystem=...) with a DirFileSystem (a prefix over this disk, as Ray's
+    persistence tests use) or a filesystem with real directories that is neither local nor an
+    object store: a run fails over once and finishes from its checkpoint, and restores. Both
+    failed at the first checkpoint when every filesystem but LocalFileSystem was taken for an
+    object store (no directories created, a DirFileSystem path taken for a key)."""
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    from custom_fs import StrictDirFileSystem
+
+    if kind == "dirfs":
+        fs, storage_path = DirFileSystem(path=str(tmp_path), fs=LocalFileSystem()), "runs"
+    else:
+        fs, storage_path = StrictDirFileSystem(), str(tmp_path / "runs")
+    run = RunConfig(name="other-fs", storage_path=storage_path, storage_filesystem=fs,
+                    failure_config=FailureConfig(max_failures=1), verbose=0)
+    config = {"iterations": 4, "ckpt_every": 2, "fail_at": 3}
+    result = DataParallelTrainer(simple_loop, train_loop_config=config,
+                                 scaling_config=ScalingConfig(num_workers=2), run_config=run).fit()
+    assert [r["training_iteration"] for r in result.rows] == [1, 2, 3, 4]
+    attempts = json.load(open(tmp_path / "runs" / "other-fs" / ".unbroken" / "run.json"))["attempts"]
+    assert [a["resumed_from"] for a in attempts] == [None, "checkpoint_000002"]
+    with result.checkpoint.as_directory() as d:
+        assert open(os.path.join(d, "it.txt")).read() == "4"
+    again = DataParallelTrainer.restore(result.path, storage_filesystem=result.filesystem,
+                                        train_loop_config=dict(config, iterations=5)).fit()
+    assert again.metrics["training_iteration"] == 5

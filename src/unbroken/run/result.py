@@ -75,7 +75,8 @@ class Result:
 
     @property
     def filesystem(self) -> Any:
-        return Storage.from_url(self.path).fs
+        """The fsspec filesystem `path` is on (with `path`, what opens the run again)."""
+        return self._filesystem or Storage.from_url(self.path).fs
 
     @classmethod
     def from_path(cls, path: str, storage_filesystem: Any = None) -> Result:

@@ -4,11 +4,18 @@ Every byte unbroken stores goes through this module, local paths included, so ob
 stores need no separate code path. On local filesystems writes are fsynced and
 replacements are atomic renames; on object stores a single put is atomic by itself, and
 every call is retried through transient faults (unbroken.store.storage_errors).
+
+What a filesystem is decides by what it does, not by its class alone: a `DirFileSystem`
+(a prefix over another filesystem) is replaced by the filesystem below it and the full
+path, so that one over this machine's disk is local storage; a filesystem that is neither
+local nor an object store (sftp, HDFS, a custom one) goes through the object-store code,
+with the directories each file goes into created first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -22,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from unbroken.core import faults
@@ -45,6 +53,12 @@ _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "
              "abfs": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko"}
 
 CREATE = "<create>"  # write_conditional(expect=CREATE): only if the object does not exist yet
+
+# Object stores: no directories (a key's "parents" need not exist) and no rename. Any other
+# filesystem that is not this machine's is taken to have real directories, which are created
+# before a file is written into them.
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "gcsfs", "abfs", "abfss", "az", "adl", "oci",
+                           "oss", "r2", "tos", "cos", "obs", "memory"})
 
 
 def format_bytes(n: int | float) -> str:
@@ -88,9 +102,20 @@ class Storage:
     """A directory on some filesystem. Relative paths use '/' on every filesystem."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+        # A DirFileSystem is a prefix over another filesystem: work on that one, with the full
+        # path, and give URLs back relative to the prefix (`url`, `filesystem_arg`).
+        self._layers: list[DirFileSystem] = []
+        while isinstance(fs, DirFileSystem):
+            self._layers.append(fs)
+            root, fs = fs._join(root), fs.fs
+        self.is_local = isinstance(fs, LocalFileSystem)
+        if self.is_local:
+            root = os.path.abspath(os.path.expanduser(root))
         self.fs = fs
         self.root = root.rstrip("/") or "/"
-        self.is_local = isinstance(fs, LocalFileSystem)
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        # Directories must be created before files go into them (not locally: os calls do it).
+        self._has_dirs = not self.is_local and not protocols & OBJECT_STORES
 
     @classmethod
     def from_url(cls, url: str, filesystem: fsspec.AbstractFileSystem | None = None) -> Storage:
@@ -107,8 +132,6 @@ class Storage:
                 f"cannot open storage {url!r}: the filesystem for '{protocol}://' is not installed "
                 f"({e}). Hint: pip install {package}"
             ) from None
-        if isinstance(fs, LocalFileSystem):
-            path = os.path.abspath(os.path.expanduser(path))
         return cls(fs, path)
 
     # -- addressing -----------------------------------------------------------------
@@ -117,14 +140,28 @@ class Storage:
         return posixpath.join(self.root, rel) if rel else self.root
 
     def url(self, rel: str = "") -> str:
-        """A string that Storage.from_url opens again (a plain path for local storage)."""
+        """A string that Storage.from_url opens again, with `filesystem_arg` (a plain path for
+        local storage; a path below its prefix on a DirFileSystem)."""
         path = self.path(rel)
+        if self._layers:
+            for layer in reversed(self._layers):
+                path = layer._relpath(path)
+            return path
         if self.is_local:
             return path
         return self.fs.unstrip_protocol(path)
 
     def child(self, rel: str) -> Storage:
-        return Storage(self.fs, self.path(rel))
+        return self._at(self.path(rel))
+
+    def parent(self) -> Storage:
+        """The directory above this one, on the same filesystem."""
+        return self._at(posixpath.dirname(self.root) or "/")
+
+    def _at(self, root: str) -> Storage:
+        other = copy.copy(self)
+        other.root = root.rstrip("/") or "/"
+        return other
 
     def local_path(self, rel: str = "") -> str | None:
         """The path of `rel` on this machine's filesystem, or None on an object store."""
@@ -135,6 +172,8 @@ class Storage:
         """What to pass as `filesystem` along with url() so that it opens this storage again
         (Checkpoint, Result.from_path): None where the path says it all (local), else the
         filesystem itself, which may carry options the URL lacks."""
+        if self._layers:
+            return self._layers[0]
         return None if self.is_local else self.fs
 
     @property
@@ -237,10 +276,18 @@ class Storage:
             raise StorageError(f"cannot write to storage {self.url(rel)!r}: {e}. "
                                "Hint: choose a storage_path you can write to") from None
 
+    def _parents(self, paths: list[str]) -> None:
+        """Create the directories `paths` (full paths) go into, where the filesystem has
+        real directories and is not this machine's (sftp, HDFS, a custom one)."""
+        if self._has_dirs:
+            for parent in sorted({posixpath.dirname(p) for p in paths}):
+                self._call(f"creating {parent}", lambda p=parent: self.fs.makedirs(p, exist_ok=True))
+
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Replace `rel` with `data` so that readers see the old or the new bytes, never a mix."""
         path = self.path(rel)
         if not self.is_local:
+            self._parents([path])
             self._call(f"writing {rel}", lambda: self.fs.pipe_file(path, data))
             return
         self._local_write(rel, data, exclusive=False)
@@ -369,6 +416,7 @@ class Storage:
         sums = [_local_sum(src) for src, _ in pairs]
         if pairs:
             sources, targets = [src for src, _ in pairs], [self.path(rel) for _, rel in pairs]
+            self._parents(targets)
             self._call(f"uploading {len(pairs)} file(s) to {posixpath.dirname(pairs[0][1])}",
                        lambda: self.fs.put(sources, targets))
         if after_each is not None:
@@ -384,9 +432,9 @@ class Storage:
         self._call(f"downloading {rel}", lambda: self.fs.get_file(self._fresh(rel), local_dst))
 
     def rename(self, src_rel: str, dst_rel: str) -> None:
-        """Rename a directory or file; atomic and durable on local filesystems. On object
-        stores a directory is copied file by file, then removed: not atomic, so callers
-        there never rely on it for a commit (a checkpoint is staged in place)."""
+        """Rename a directory or file; atomic and durable on local filesystems. Elsewhere a
+        directory is copied file by file, then removed: not atomic, so callers there never
+        rely on it for a commit (a checkpoint is staged in place)."""
         if self.is_local:
             os.rename(self.path(src_rel), self.path(dst_rel))
             _fsync_dir(os.path.dirname(self.path(dst_rel)))
@@ -398,8 +446,10 @@ class Storage:
         src, dst = self._fresh(src_rel), self._fresh(dst_rel)
         found = self.fs.find(src)
         if found in ([], [src]):
+            self._parents([dst])
             self.fs.mv(src, dst)  # a file (or nothing: FileNotFoundError)
             return
+        self._parents([dst + path[len(src):] for path in found])
         for path in found:
             self.fs.copy(path, dst + path[len(src):])
             faults.point("during_copy_rename")

@@ -14,7 +14,6 @@ and its searcher id. A trial's own run.json stays the authority on how far its r
 from __future__ import annotations
 
 import json
-import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -169,7 +168,7 @@ def load(storage: Storage) -> SweepManifest:
 def not_a_sweep(storage: Storage) -> NotASweepError:
     """The error for a path that exists but is not a sweep root, with the likely fix."""
     where = storage.url()
-    parent = Storage(storage.fs, posixpath.dirname(storage.root.rstrip("/")) or "/")
+    parent = storage.parent()
     if is_run_dir(storage):
         if is_sweep_dir(parent):
             return NotASweepError(

@@ -86,7 +86,8 @@ class BaseTrainer:
         return Result.from_path(run.path, self.run_config.storage_filesystem)
 
     @classmethod
-    def restore(cls: type[T], path: str | os.PathLike, *, allow_pickle: bool = True, **overrides: Any) -> T:
+    def restore(cls: type[T], path: str | os.PathLike, *, allow_pickle: bool = True,
+                storage_filesystem: Any = None, **overrides: Any) -> T:
         """Rebuild the trainer saved in the run at `path`; its fit() continues the run.
 
         Any constructor argument may be re-specified by name; a re-specified argument's
@@ -95,10 +96,13 @@ class BaseTrainer:
         unpickling can run code: `allow_pickle=False` unpickles nothing, and raises
         PickleRefusedError, naming the arguments to re-specify, where something would have to
         be unpickled. (`allow_pickle` is restore's own keyword, not a constructor argument.)
+        `storage_filesystem` (Ray V1's keyword): the fsspec filesystem `path` is on, where its
+        URL does not say (a custom filesystem); the run's saved RunConfig keeps its own.
         """
         path = os.fspath(path)
         run_config = overrides.get("run_config")
-        storage = Storage.from_url(path, getattr(run_config, "storage_filesystem", None))
+        filesystem = storage_filesystem or getattr(run_config, "storage_filesystem", None)
+        storage = Storage.from_url(path, filesystem)
         manifest = mf.load(storage)
         url = storage.url()
         pickles = SavedPickles.of_run(storage, manifest, allow=allow_pickle)
