@@ -439,3 +439,16 @@ def test_get_checkpoint_follows_the_latest_committed_checkpoint(storage, tmp_pat
         assert seen == sorted(seen) and all(a <= (b or "") for a, b in zip(seen, expected, strict=True))
     again = DataParallelTrainer.restore(result.path, train_loop_config=dict(config, iterations=2)).fit()
     assert again.return_value["seen"][0] == "checkpoint_000004"
+
+
+def test_a_result_built_by_hand_ranks_its_best_checkpoints_and_checkpoints_print_as_in_ray(tmp_path):
+    """Result(best_checkpoints=[...]) built by hand (as tests and tools do with Ray's): its
+    get_best_checkpoint ranks those; and a Checkpoint prints as Ray's does."""
+    from unbroken.train import Checkpoint
+
+    a, b = Checkpoint(str(tmp_path / "a")), Checkpoint(str(tmp_path / "b"))
+    result = Result(metrics={"loss": 1.0}, checkpoint=b, error=None, path=str(tmp_path),
+                    best_checkpoints=[(a, {"loss": 0.5}), (b, {"loss": 1.0})])
+    assert result.get_best_checkpoint("loss", "min") == a
+    assert result.get_best_checkpoint("loss", "max") == b
+    assert repr(a) == f"Checkpoint(filesystem=local, path={tmp_path / 'a'})"

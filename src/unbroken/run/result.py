@@ -56,9 +56,10 @@ class Result:
         UnknownMetricError when no checkpoint's row has the metric."""
         if mode not in ("max", "min"):
             raise ValueError(f"get_best_checkpoint(mode=...) must be 'max' or 'min', got {mode!r}")
-        if not self.checkpoints:
+        candidates = self.checkpoints or self.best_checkpoints  # a Result built by hand has only these
+        if not candidates:
             return None
-        scored = [(c, m[metric]) for c, m in self.checkpoints
+        scored = [(c, m[metric]) for c, m in candidates
                   if isinstance(m.get(metric), (int, float)) and not isinstance(m.get(metric), bool)]
         if not scored:
             raise UnknownMetricError(

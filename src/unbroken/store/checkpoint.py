@@ -28,7 +28,7 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike, filesystem: fsspec.AbstractFileSystem | None = None) -> None:
         self._storage = Storage.from_url(os.fspath(path), filesystem)
         self.path = self._storage.url()
-        self.filesystem = self._storage.fs
+        self.filesystem = self._storage.filesystem_arg or self._storage.fs  # what `path` is on
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
@@ -36,7 +36,10 @@ class Checkpoint:
         return cls(os.path.abspath(os.fspath(path)))
 
     def __repr__(self) -> str:
-        return f"Checkpoint(path={self.path!r})"
+        """As Ray's: `Checkpoint(filesystem=local, path=/tmp/run/checkpoint_000003)`."""
+        protocol = self.filesystem.protocol
+        name = protocol if isinstance(protocol, str) else protocol[0]
+        return f"Checkpoint(filesystem={'local' if name in ('file', 'local') else name}, path={self.path})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Checkpoint) and other.path == self.path
