@@ -20,8 +20,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 
-from unbroken.errors import LeaseHeldError, LeaseLostError
+from unbroken.errors import LeaseHeldError, LeaseLostError, StorageError
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import CREATE, Storage
 from unbroken.store.storage_errors import PreconditionFailed
@@ -97,14 +98,21 @@ class Lease:
         return (holder if isinstance(holder, dict) else None), version
 
     @contextlib.contextmanager
-    def _deciding(self):
+    def _deciding(self) -> Iterator[None]:
         """Hold the lease lock while reading, deciding and writing (local disk and NFS);
         object stores decide by conditional writes and need none."""
         path = self.storage.local_path(LEASE_LOCK)
         if path is None:
             yield
             return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # no run directory (any more): nothing to decide over
+            yield
+            return
+        except OSError as e:
+            raise StorageError(f"cannot open {LEASE_LOCK} in {self.storage.url()!r}: {e}. Hint: choose "
+                               "a storage_path you can write to") from None
         try:
             deadline = time.monotonic() + LOCK_WAIT_S
             while True:
