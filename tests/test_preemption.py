@@ -145,7 +145,7 @@ def test_a_stopped_rank_without_hang_timeout_is_bounded_by_the_collective_timeou
     marker = str(tmp_path / "stopped-pid")
     config = {"iterations": 6, "ckpt_every": 2, "hang_at": (3, 1), "hang_marker": marker,
               "hang_by_sigstop": True}
-    result = TorchTrainer(linear_loop, train_loop_config=config, torch_config=TorchConfig(timeout_s=2),
+    result = TorchTrainer(linear_loop, train_loop_config=config, torch_config=TorchConfig(timeout_s=4),
                           scaling_config=ScalingConfig(num_workers=2),
                           run_config=RunConfig(name="stopped", storage_path=storage, verbose=0,
                                                failure_config=FailureConfig(max_failures=1))).fit()
