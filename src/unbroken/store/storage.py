@@ -83,10 +83,6 @@ def _local_sum(path: str) -> tuple[int, int]:
     return size, crc
 
 
-def _restore(fs: fsspec.AbstractFileSystem, root: str) -> Storage:
-    return Storage(fs, root)
-
-
 def split_run_url(url: str) -> tuple[str, str]:
     """(storage_path, name) of a run's or a sweep's URL, `<storage_path>/<name>`: what
     RunConfig(storage_path=..., name=...) takes to address it again."""
@@ -124,9 +120,7 @@ class Storage:
     def __reduce__(self) -> tuple:
         # Over a DirFileSystem, travel as that filesystem and the path below its prefix, so that
         # a process elsewhere resolves the prefix as its filesystem does there.
-        if self._layers:
-            return (Storage, (self._layers[0], self.url()))
-        return (_restore, (self.fs, self.root))
+        return (Storage, (self._layers[0], self.url()) if self._layers else (self.fs, self.root))
 
     @classmethod
     def from_url(cls, url: str, filesystem: fsspec.AbstractFileSystem | None = None) -> Storage:
