@@ -387,3 +387,45 @@ def test_the_history_on_s3_is_put_in_parts_and_folded_now_and_then(s3_endpoint):
     assert float(ratio) <= 2.0, out  # result.json itself: folds at doubling sizes
     assert int(biggest_part) < 1000, out  # a part holds one sync's 10 rows
     assert "CLOSED True [] 201" in out, out
+
+
+FOLD_KILLED = """
+import sys
+from unbroken.store.history import History
+from unbroken.store.storage import Storage
+store = Storage.from_url(sys.argv[1])
+store.makedirs()
+history = History(store)
+history.open()
+for i in range(1, 101):
+    history.append({"training_iteration": i, "attempt": 1, "timestamp": float(i)})
+    if i % 10 == 0:
+        history.sync()  # UNBROKEN_FAULT=after_fold:3 kills this process inside the third fold
+print("NOT KILLED")
+"""
+
+AFTER_FOLD = """
+import sys
+from unbroken.store.history import History, read_rows
+from unbroken.store.storage import Storage
+store = Storage.from_url(sys.argv[1])
+print("SEEN", [r["training_iteration"] for r in read_rows(store)])
+print("LEFT", len(store.listdir(".unbroken/parts/result.json")))
+history = History(store)
+history.open()
+history.append({"training_iteration": 999, "attempt": 2, "timestamp": 999.0})
+history.close()
+print("AFTER", [r["training_iteration"] for r in read_rows(store)][-3:],
+      store.listdir(".unbroken/parts/result.json"))
+"""
+
+
+def test_a_fold_killed_between_its_put_and_removing_the_parts_shows_each_row_once(s3_endpoint):
+    url = f"{prefix()}/fold"
+    killed = run_script(FOLD_KILLED, url, check=False, UNBROKEN_FAULT="after_fold:3", **s3_env(s3_endpoint))
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    out = run_script(AFTER_FOLD, url, **s3_env(s3_endpoint)).stdout
+    seen = json.loads(out.split("SEEN ", 1)[1].splitlines()[0])
+    assert seen == list(range(1, len(seen) + 1)) and len(seen) >= 30, out  # once each, none lost
+    assert int(out.split("LEFT ", 1)[1].split()[0]) >= 1, "the killed fold left its parts behind"
+    assert f"AFTER [{seen[-2]}, {seen[-1]}, 999] []" in out, out

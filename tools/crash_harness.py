@@ -85,6 +85,7 @@ WORKER_POINTS = ("after_file_write", "after_fsync")
 COMMIT_POINTS = ("before_marker", "after_marker", "before_rename", "after_rename")
 RETENTION_POINTS = ("before_delete", "during_delete")
 OTHER_POINTS = ("before_replace",)
+S3_POINTS = ("after_fold", "during_copy_rename")  # steps only object stores take
 REPORT_ACTIONS = ("kill", "exit", "raise")
 MAX_KILLS = 4
 UPLOAD_MODE = {False: CheckpointUploadMode.SYNC, True: CheckpointUploadMode.ASYNC}
@@ -334,7 +335,8 @@ class Harness:
         if r < 0.50:
             return "retention-fault", f"{self.rng.choice(RETENTION_POINTS)}:{self.rng.randint(1, 4)}", None
         if r < 0.55:
-            return "replace-fault", f"{self.rng.choice(OTHER_POINTS)}:{self.rng.randint(1, 12)}", None
+            points = OTHER_POINTS + (S3_POINTS if self.root.startswith("s3://") else ())
+            return "replace-fault", f"{self.rng.choice(points)}:{self.rng.randint(1, 12)}", None
         if r < 0.65:
             return self.report_fault()
         if r < 0.72 and self.disk is not None:

@@ -16,7 +16,8 @@ during_jit_save (the worker saving a just-in-time checkpoint, between its files:
 `worker.jit`); during_copy_rename (a directory moved on an object store, where it is copied
 file by file and then removed: after each file copied, e.g. a torn checkpoint set aside);
 before_trial_record (sweep driver, when a trial's process has ended and before sweep.json
-records how the trial ended).
+records how the trial ended); after_fold (object stores: result.json rewritten with its
+parts folded in, before the parts are removed; see `store.appender`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import contextlib
 import os
 from typing import Any, Protocol
 
+from unbroken.core import faults
 from unbroken.errors import StorageError
 from unbroken.store.manifest_base import META_DIR
 from unbroken.store.storage import Storage
@@ -170,6 +171,7 @@ class _PartsAppender:
     def _fold(self) -> None:
         data = read_whole(self._storage, self._rel)
         self._storage.write_atomic(self._rel, data)
+        faults.point("after_fold")
         for path in self._parts:
             self._storage.remove(path)
         self._size, self._parts, self._parts_bytes = len(data), [], 0
