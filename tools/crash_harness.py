@@ -335,8 +335,9 @@ class Harness:
         if r < 0.50:
             return "retention-fault", f"{self.rng.choice(RETENTION_POINTS)}:{self.rng.randint(1, 4)}", None
         if r < 0.55:
-            points = OTHER_POINTS + (S3_POINTS if self.root.startswith("s3://") else ())
-            return "replace-fault", f"{self.rng.choice(points)}:{self.rng.randint(1, 12)}", None
+            if self.root.startswith("s3://") and self.rng.random() < 0.5:  # a launch folds a few times
+                return "replace-fault", f"{self.rng.choice(S3_POINTS)}:{self.rng.randint(1, 3)}", None
+            return "replace-fault", f"{self.rng.choice(OTHER_POINTS)}:{self.rng.randint(1, 12)}", None
         if r < 0.65:
             return self.report_fault()
         if r < 0.72 and self.disk is not None:
