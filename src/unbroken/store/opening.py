@@ -38,6 +38,7 @@ class Kind(Generic[M]):
 
     noun: str  # "run" or "sweep", as the error messages name it
     load: Callable[[Storage], M]  # the manifest's newest valid generation
+    exists: Callable[[Storage], bool]  # whether there is a manifest
     # What a first fit() killed before its manifest existed may have left, at the top and
     # in .unbroken/ (besides atomic-write temps); a directory holding only that is fresh.
     first_files: frozenset[str]
@@ -64,6 +65,11 @@ def existing(kind: Kind[M], storage: Storage, *, exists: bool, restored: bool, r
     RunConfig(resume=...) refuses, where the identity differs (`check_identity`, skipped on
     an explicit restore) or where the directory holds something else."""
     path = storage.url()
+    if not exists and not is_fresh_dir(kind, storage):
+        exists = kind.exists(storage)  # a driver racing this one may have created it just now
+        if not exists:
+            raise RunExistsError(f"{path!r} exists and is not an unbroken {kind.noun}; it is left "
+                                 "untouched. Hint: choose another RunConfig(name=...) or storage_path")
     if exists:
         manifest = kind.load(storage)
         if not restored:
@@ -73,9 +79,6 @@ def existing(kind: Kind[M], storage: Storage, *, exists: bool, restored: bool, r
                     "continue it. Hint: choose a new name, or use resume='auto' to continue it")
             check_identity(manifest)
         return manifest
-    if not is_fresh_dir(kind, storage):
-        raise RunExistsError(f"{path!r} exists and is not an unbroken {kind.noun}; it is left untouched. "
-                             "Hint: choose another RunConfig(name=...) or storage_path")
     if resume == "must":
         raise RunNotFoundError(f"no {kind.noun} at {path!r} and RunConfig(resume='must') requires one. "
                                "Hint: check name and storage_path, or use resume='auto'")

@@ -34,7 +34,7 @@ def restore_hint(trainer_class: type, path: str) -> str:
 # What is particular to runs in opening one (see unbroken.store.opening). Leftovers: what a torn
 # checkpoint holds is freed before anything else is written.
 RUN = opening.Kind(
-    noun="run", load=load_manifest, first_files=frozenset({PARAMS_JSON}),
+    noun="run", load=load_manifest, exists=manifest_exists, first_files=frozenset({PARAMS_JSON}),
     first_meta=frozenset({"lease.json", "lease.lock", "pickled", "trainer.pkl"}),
     free=lambda storage, manifest: remove_leftovers(storage, manifest.attempt_count))
 

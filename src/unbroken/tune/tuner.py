@@ -51,7 +51,7 @@ from unbroken.tune.tune_config import TuneConfig
 log = logging.getLogger("unbroken")
 
 # What is particular to sweeps in opening one (see unbroken.store.opening).
-SWEEP = opening.Kind(noun="sweep", load=sw.load, first_files=frozenset(),
+SWEEP = opening.Kind(noun="sweep", load=sw.load, exists=sw.is_sweep_dir, first_files=frozenset(),
                      first_meta=frozenset({"lease.json", "lease.lock", "pickled", "tuner.pkl",
                                            "trainer.pkl"}))
 
