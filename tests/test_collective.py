@@ -1,5 +1,6 @@
 """unbroken.train.collective (Ray Train V2's barrier and broadcast_from_rank_zero) on real
-worker processes over a real gloo process group."""
+worker processes: over a real gloo process group (TorchTrainer), and through the driver
+where the ranks share none (DataParallelTrainer)."""
 
 import os
 
@@ -22,8 +23,13 @@ def collective_loop(config):
     train.report({"got": got, "arrived": arrived})
 
 
-def test_broadcast_and_barrier_across_three_workers(storage, tmp_path):
-    result = TorchTrainer(collective_loop, train_loop_config={"out": str(tmp_path)},
+TRAINERS = pytest.mark.parametrize("trainer", [TorchTrainer, DataParallelTrainer],
+                                   ids=["process-group", "through-driver"])
+
+
+@TRAINERS
+def test_broadcast_and_barrier_across_three_workers(storage, tmp_path, trainer):
+    result = trainer(collective_loop, train_loop_config={"out": str(tmp_path)},
                           scaling_config=ScalingConfig(num_workers=3),
                           run_config=RunConfig(name="collective", storage_path=storage)).fit()
     assert result.metrics["got"] == {"seed": 1234, "from": 0}
@@ -46,11 +52,12 @@ def missing_rank_loop(config):
     open(os.path.join(config["out"], f"passed-{rank}"), "w").close()
 
 
-def test_no_rank_passes_a_barrier_that_a_rank_never_reaches(storage, tmp_path):
+@TRAINERS
+def test_no_rank_passes_a_barrier_that_a_rank_never_reaches(storage, tmp_path, trainer):
     for rank in range(2):
         os.mkfifo(tmp_path / f"entering-{rank}")
     with pytest.raises(TrainingFailedError):
-        TorchTrainer(missing_rank_loop, train_loop_config={"out": str(tmp_path)},
+        trainer(missing_rank_loop, train_loop_config={"out": str(tmp_path)},
                      scaling_config=ScalingConfig(num_workers=3),
                      run_config=RunConfig(name="missing", storage_path=storage)).fit()
     assert not [f for f in os.listdir(tmp_path) if f.startswith("passed-")]
@@ -62,9 +69,10 @@ def unpicklable_loop(config):
     train.report({"unreachable": True})
 
 
-def test_unpicklable_data_fails_every_rank_instead_of_hanging(storage):
+@TRAINERS
+def test_unpicklable_data_fails_every_rank_instead_of_hanging(storage, trainer):
     with pytest.raises(TrainingFailedError) as info:
-        TorchTrainer(unpicklable_loop, scaling_config=ScalingConfig(num_workers=2),
+        trainer(unpicklable_loop, scaling_config=ScalingConfig(num_workers=2),
                      run_config=RunConfig(name="unpicklable", storage_path=storage)).fit()
     cause = info.value.__cause__
     assert isinstance(cause, TypeError) and "cannot be pickled" in str(cause) and "Hint" in str(cause)
@@ -75,18 +83,42 @@ def one_worker_loop(config):
     train.report({"got": broadcast_from_rank_zero(7)})
 
 
-def no_process_group_loop(config):
-    broadcast_from_rank_zero(1)
-
-
-def test_one_worker_needs_no_process_group_and_two_without_one_get_a_hint(storage):
+def test_one_worker_needs_no_process_group(storage):
     one = DataParallelTrainer(one_worker_loop, run_config=RunConfig(name="one", storage_path=storage)).fit()
     assert one.metrics["got"] == 7
+
+
+def interleaved_loop(config):
+    """Collective calls right after reports: the driver's reply to a report may reach a rank
+    while it waits in a collective call, and a stop in it must hold at the next report."""
+    rank = train.get_context().get_world_rank()
+    for i in range(6):
+        train.report({"i": i})
+        assert broadcast_from_rank_zero(i * 10 if rank == 0 else None) == i * 10
+        barrier()
+
+
+def test_collectives_between_reports_keep_the_reports_stop(storage):
+    result = DataParallelTrainer(interleaved_loop, scaling_config=ScalingConfig(num_workers=3),
+                                 run_config=RunConfig(name="interleaved", storage_path=storage,
+                                                      stop={"i": 2})).fit()
+    assert [row["i"] for row in result.metrics_dataframe.to_dict("records")] == [0, 1, 2]
+
+
+def mismatched_loop(config):
+    if train.get_context().get_world_rank() == 0:
+        barrier()
+    else:
+        broadcast_from_rank_zero(None)
+
+
+def test_ranks_making_different_calls_get_an_error_naming_them(storage):
     with pytest.raises(TrainingFailedError) as info:
-        DataParallelTrainer(no_process_group_loop, scaling_config=ScalingConfig(num_workers=2),
-                            run_config=RunConfig(name="two", storage_path=storage)).fit()
-    assert isinstance(info.value.__cause__, RuntimeError)
-    assert "TorchTrainer" in str(info.value.__cause__)
+        DataParallelTrainer(mismatched_loop, scaling_config=ScalingConfig(num_workers=2),
+                            run_config=RunConfig(name="mismatch", storage_path=storage)).fit()
+    cause = info.value.__cause__
+    assert isinstance(cause, RuntimeError)
+    assert "rank 0: barrier()" in str(cause) and "rank 1: broadcast_from_rank_zero()" in str(cause)
 
 
 def test_outside_a_training_function_it_says_where_to_call_it():

@@ -26,6 +26,7 @@ from unbroken.errors import (
     WorkerDied,
 )
 from unbroken.execution import controller_state as states
+from unbroken.execution.collective_calls import CollectiveCalls
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
 from unbroken.execution.jit_coordinator import Coordinator, settle
@@ -38,7 +39,17 @@ from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import Marker, checkpoint_name, round_name
 from unbroken.store.storage import split_run_url
 from unbroken.worker.async_save import PendingCommit, PendingCommits
-from unbroken.worker.protocol import JIT_MESSAGES, Committed, Done, Failed, Rendezvous, Reply, Report, Staged
+from unbroken.worker.protocol import (
+    JIT_MESSAGES,
+    Committed,
+    Done,
+    Failed,
+    Gather,
+    Rendezvous,
+    Reply,
+    Report,
+    Staged,
+)
 from unbroken.worker.runner import PROBE, WorkerPayload
 from unbroken.worker.session import WorkerInfo
 
@@ -288,6 +299,7 @@ class Controller:
         rounds = ReportRounds(self.scaling.num_workers, last_heard=time.monotonic())
         self._saves = PendingCommits(self.run.reported)
         self._jit = Coordinator()
+        self._collectives = CollectiveCalls(self.scaling.num_workers)
         failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
         failed_at = 0.0
         signals = 0
@@ -353,6 +365,10 @@ class Controller:
         elif isinstance(message, Rendezvous):
             for other in range(1, rounds.num_workers):
                 group.send(other, message)
+        elif isinstance(message, Gather):
+            answer = self._collectives.add(rank, message)
+            if answer is not None:
+                self._tell_running(group, rounds, answer)
         elif isinstance(message, Done):
             rounds.finish(rank, message.reports)
             group.mark_finished(rank)
@@ -434,12 +450,17 @@ class Controller:
         still running (`train.get_all_reported_checkpoints` waits for it)."""
         marker = self.run.commit_checkpoint(save.iteration, save.per_rank_files(), save.row, save.name)
         self._saves.committed(save, marker)
+        self._tell_running(group, rounds, Committed(save.iteration, marker.name))
+
+    @staticmethod
+    def _tell_running(group: WorkerGroup, rounds: ReportRounds, message: Any) -> None:
+        """Send `message` to every rank that has neither finished nor failed."""
         for rank in range(rounds.num_workers):
             if rank not in rounds.done and rank not in rounds.failed:
                 try:
-                    group.send(rank, Committed(save.iteration, marker.name))
+                    group.send(rank, message)
                 except OSError:
-                    pass  # it ended meanwhile: its Done is on the way
+                    pass  # it ended meanwhile: its Done or its death is on the way
 
 
 def _stop_met(stop: Any, row: dict) -> bool:

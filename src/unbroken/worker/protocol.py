@@ -7,7 +7,8 @@ complete round with a `Reply`, forwards rank 0's `Rendezvous` to the other ranks
 `Committed` when an asynchronous save is committed (see `async_save`). With just-in-time
 checkpoints a rank says `JitArmed` once, a failing rank sends `JitOffer` before its `Failed`
 and waits for the driver's `JitSave`, and the chosen rank answers with `JitSaved` (see
-`jit_checkpoint`). A trial's process
+`jit_checkpoint`). A collective call with no process group under it (`train.collective`)
+is a `Gather` from every rank, answered with one `Gathered` to each. A trial's process
 ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message travels (a pipe,
 a socket) is the engine's business; what it means is here, and `to_wire` / `from_wire` give
 an engine a cheap form to send.
@@ -115,8 +116,31 @@ class JitSaved:
     error: str = ""
 
 
+@dataclass(slots=True)
+class Gather:
+    """This rank's part of collective call number `seq` of the attempt (every rank counts its
+    calls the same way): `op` names the call; `data` is what it contributes, pickled (None:
+    nothing), or `error` says why it cannot contribute."""
+
+    seq: int
+    op: str
+    data: bytes | None = None
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Gathered:
+    """The driver's answer to collective call `seq` once every rank made it: rank 0's `data`,
+    or why there is none: a rank's `error`, or the `mismatch` between the ranks' calls."""
+
+    seq: int
+    data: bytes | None = None
+    error: str = ""
+    mismatch: str = ""
+
+
 JIT_MESSAGES = (JitArmed, JitOffer, JitSaved)
-WorkerMessage = Union[Report, Rendezvous, Staged, JitArmed, JitOffer, JitSaved, Done, Failed]
+WorkerMessage = Union[Report, Rendezvous, Staged, JitArmed, JitOffer, JitSaved, Gather, Done, Failed]
 Outcome = Union[Done, Failed]
 
 
@@ -148,7 +172,8 @@ TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
 
 # -- on the wire --------------------------------------------------------------------------------
 _KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
-                            TrialFailed, Staged, Committed, JitArmed, JitOffer, JitSave, JitSaved)
+                            TrialFailed, Staged, Committed, JitArmed, JitOffer, JitSave, JitSaved, Gather,
+                            Gathered)
 _TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
 
 

@@ -36,7 +36,7 @@ from unbroken.store.commit import (
 from unbroken.store.history import check_json_metrics
 from unbroken.store.storage import Storage, split_run_url
 from unbroken.worker.async_save import BackgroundSave, stage_job
-from unbroken.worker.protocol import Committed, Reply, Report
+from unbroken.worker.protocol import Committed, Gather, Gathered, Reply, Report
 from unbroken.worker.report_config import ReportedCheckpoint
 
 if TYPE_CHECKING:
@@ -184,6 +184,7 @@ class Session:
         self._committed_async = 0  # the latest one the driver said it committed
         self._async_names: set[str] = set()  # the names this rank gave its asynchronous saves
         self._latest = info.checkpoint  # the run's latest committed checkpoint, as far as this rank knows
+        self._collective_calls = 0  # the `gather`s made so far in this attempt
 
     def send(self, message: Any) -> None:
         with self._send_lock:
@@ -201,13 +202,20 @@ class Session:
             sys.stderr.flush()
             os._exit(ATTEMPT_ENDED_EXIT)
 
-    def _recv(self) -> Any:
-        """The driver's next message but `Committed`, which is noted on the way."""
+    def _recv(self, kind: type) -> Any:
+        """The driver's next message of `kind`. A `Committed`, and the reply to this rank's
+        latest report, that arrive first are taken on the way (the driver answers a report
+        round and a collective call in whichever order they complete)."""
         while True:
             message = self.channel.recv()
-            if not isinstance(message, Committed):
+            if isinstance(message, kind):
                 return message
-            self._note_committed(message)
+            if isinstance(message, Committed):
+                self._note_committed(message)
+            elif isinstance(message, Reply) and self._awaiting_reply:
+                self._took(message)
+            else:
+                raise AssertionError(f"unexpected message from the driver: {message!r}")
 
     def _note_committed(self, message: Committed) -> None:
         if message.iteration > self._committed_async:
@@ -219,16 +227,24 @@ class Session:
         storage = self.info.storage
         self._latest = Checkpoint(storage.url(name), storage.filesystem_arg)
 
+    def _took(self, reply: Reply) -> None:
+        self._reply = reply
+        self._awaiting_reply = False
+        if reply.committed is not None:
+            self._follow(reply.committed)
+
     def _take_reply(self) -> None:
         if self._awaiting_reply:
-            reply = self._recv()
-            assert isinstance(reply, Reply), reply
-            self._reply = reply
-            self._awaiting_reply = False
-            if reply.committed is not None:
-                self._follow(reply.committed)
+            self._took(self._recv(Reply))
         if self._reply.stop:
             raise StopTraining()
+
+    def gather(self, op: str, data: bytes | None = None, error: str = "") -> Gathered:
+        """Make collective call `op` through the driver (`train.collective` with no process
+        group): waits until every rank has made it; rank 0's `data`, or the error to raise."""
+        self._collective_calls += 1
+        self.send(Gather(self._collective_calls - 1, op, data, error))
+        return self._recv(Gathered)
 
     def should_checkpoint(self) -> bool:
         self._take_reply()
@@ -354,9 +370,7 @@ class Session:
         self._take_reply()
         self.saver.wait()
         while self._committed_async < self._saved_async:
-            message = self.channel.recv()
-            assert isinstance(message, Committed), message
-            self._note_committed(message)
+            self._note_committed(self._recv(Committed))
         storage = self.info.storage
         out = []
         for name in scan(storage)[0]:
