@@ -268,7 +268,7 @@ def test_a_run_on_object_storage_shared_by_every_node_survives_a_killed_rank(clu
         monkeypatch.setenv(key, value)
     result = trainer("s3://bucket/ray-runs", "on-s3", str(tmp_path), max_failures=1, iterations=4,
                      kill_worker_at=[3, 1]).fit()
-    assert result.path.startswith("s3://bucket/ray-runs/on-s3")
+    assert result.url.startswith("s3://bucket/ray-runs/on-s3") and result.path == result.url[len("s3://"):]
     assert iterations(result) == [1, 2, 3, 4]
     assert result.checkpoint.path.endswith("checkpoint_000004") and final_weights(result)
 

@@ -345,7 +345,7 @@ result = DataParallelTrainer(epochs_loop, train_loop_config={"epochs": epochs},
                              run_config=RunConfig(name="named", storage_path=storage,
                                                   allow_config_change=True)).fit()
 print("DONE", result.checkpoint.path.rsplit("/", 1)[1],
-      [c.path.rsplit("/", 1)[1] for c, _ in Result.from_path(result.path).checkpoints])
+      [c.path.rsplit("/", 1)[1] for c, _ in Result.from_path(result.url).checkpoints])
 """
 
 

@@ -212,17 +212,31 @@ def test_result_and_can_restore_read_an_s3_run(s3_endpoint, tmp_path):
     storage, name = prefix(), "readable"
     run_script(DRIVER, storage, name, json.dumps({"iterations": 4}), **s3_env(s3_endpoint))
     code = """
-import sys
-from unbroken.train import Result
+import os, sys
+from unbroken.errors import RunNotFoundError
+from unbroken.train import Checkpoint, Result
 from unbroken.train.torch import TorchTrainer
 url = sys.argv[1]
 result = Result.from_path(url)
 print("CAN", TorchTrainer.can_restore(url), TorchTrainer.can_restore(url + "-missing"))
-print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.checkpoint.path)
+print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.checkpoint.url)
+# Ray's pair: a path on the filesystem, with no scheme, opens the same run and checkpoint again.
+print("PATHS", result.path, result.checkpoint.path, result.url)
+again = Result.from_path(result.path, storage_filesystem=result.filesystem)
+same = Checkpoint(path=result.checkpoint.path, filesystem=result.checkpoint.filesystem)
+print("AGAIN", len(again.rows), same == result.checkpoint, sorted(os.listdir(same.to_directory())))
+try:
+    Result.from_path(result.path)  # a path with no scheme and no filesystem is a local path
+except RunNotFoundError as e:
+    print("HINT", "result.url" in str(e) and "storage_filesystem=result.filesystem" in str(e))
 """
     out = run_script(code, f"{storage}/{name}", **s3_env(s3_endpoint)).stdout
     assert "CAN True False" in out
-    assert f"ROWS [1, 2, 3, 4] {storage}/{name}/checkpoint_000004" in out
+    run = f"{storage}/{name}"
+    assert f"ROWS [1, 2, 3, 4] {run}/checkpoint_000004" in out
+    bare = run[len("s3://"):]
+    assert f"PATHS {bare} {bare}/checkpoint_000004 {run}" in out
+    assert "AGAIN 4 True ['state.pt']" in out and "HINT True" in out
 
 
 STALE = """

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken.errors import TornCheckpointError, TrainingFailedError, UnknownMetricError
+from unbroken.errors import RunNotFoundError, TornCheckpointError, TrainingFailedError, UnknownMetricError
 from unbroken.store import commit, history, return_value
 from unbroken.store import manifest as mf
 from unbroken.store.checkpoint import Checkpoint
@@ -17,7 +18,11 @@ log = logging.getLogger("unbroken")
 
 @dataclass
 class Result:
-    """The last metrics, the latest checkpoint and the metric history of one run."""
+    """The last metrics, the latest checkpoint and the metric history of one run.
+
+    As Ray's, `path` is the run directory's path on `filesystem` (no URL scheme);
+    `url` adds the scheme (`s3://bucket/...`), which is what `unbroken show` takes.
+    """
 
     metrics: dict[str, Any] | None
     checkpoint: Checkpoint | None
@@ -48,7 +53,7 @@ class Result:
         data was pickled, and reading it unpickles it (trust the run directory)."""
         if not self._returned_in:
             return None
-        return return_value.load(Storage.from_url(self.path), self._returned_in)
+        return return_value.load(Storage.from_url(self.path, self._filesystem), self._returned_in)
 
     def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
         """The committed checkpoint whose row has the highest (`mode="max"`) or lowest
@@ -63,7 +68,7 @@ class Result:
                   if isinstance(m.get(metric), (int, float)) and not isinstance(m.get(metric), bool)]
         if not scored:
             raise UnknownMetricError(
-                f"no checkpoint of run {self.path!r} has a numeric metric {metric!r}. Hint: the rows "
+                f"no checkpoint of run {self.url!r} has a numeric metric {metric!r}. Hint: the rows "
                 f"of its checkpoints have: {', '.join(sorted(self.checkpoints[-1][1]))}")
         sign = 1 if mode == "max" else -1
         best = max(range(len(scored)), key=lambda i: (sign * scored[i][1], i))
@@ -77,13 +82,25 @@ class Result:
     @property
     def filesystem(self) -> Any:
         """The fsspec filesystem `path` is on (with `path`, what opens the run again)."""
-        return self._filesystem or Storage.from_url(self.path).fs
+        return self._filesystem or Storage.from_url(self.path).filesystem
+
+    @property
+    def url(self) -> str:
+        """The run directory as one string: `path` with its filesystem's scheme."""
+        return Storage.from_url(self.path, self._filesystem).url()
 
     @classmethod
     def from_path(cls, path: str, storage_filesystem: Any = None) -> Result:
         """Read any run directory: metrics each iteration once, latest committed checkpoint."""
         storage = Storage.from_url(path, storage_filesystem)
-        manifest = mf.load(storage)
+        try:
+            manifest = mf.load(storage)
+        except RunNotFoundError as e:
+            if storage_filesystem is None and "://" not in path and not os.path.isabs(path):
+                raise RunNotFoundError(f"{e}. A Result.path on an object store has no scheme, as in "
+                                       "Ray: pass storage_filesystem=result.filesystem with it, or "
+                                       "pass result.url") from None
+            raise
         last = history.last_row(storage)
         markers = {}
         names, _ = commit.scan(storage)
@@ -92,7 +109,7 @@ class Result:
                 markers[name] = commit.read_marker(storage, name)
             except TornCheckpointError:
                 continue
-        fs = storage.filesystem_arg
+        fs = storage.filesystem
 
         def handle(name: str) -> Checkpoint:
             return Checkpoint(storage.url(name), fs)
@@ -106,7 +123,7 @@ class Result:
             metrics=dict(last) if last else None,
             checkpoint=handle(latest.name) if latest else None,
             error=error,
-            path=storage.url(),
+            path=storage.fs_path(),
             best_checkpoints=[(handle(n), markers[n].metrics) for n in manifest.best_checkpoints
                               if n in markers],
             status=manifest.status,

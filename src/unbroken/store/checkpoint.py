@@ -23,12 +23,18 @@ class Checkpoint:
 
     Workers build one with `Checkpoint.from_directory(local_dir)` and pass it to
     `train.report`; `train.get_checkpoint()` and `Result.checkpoint` return committed ones.
+
+    Like Ray's, `path` is the directory's path on `filesystem` (no URL scheme):
+    `Checkpoint(path=c.path, filesystem=c.filesystem)` is the same checkpoint again. `url`
+    is `path` with its scheme (`s3://bucket/...`; a local path as it is), which opens it
+    with no `filesystem` given (unless the filesystem carries options of its own).
     """
 
     def __init__(self, path: str | os.PathLike, filesystem: fsspec.AbstractFileSystem | None = None) -> None:
         self._storage = Storage.from_url(os.fspath(path), filesystem)
-        self.path = self._storage.url()
-        self.filesystem = self._storage.filesystem_arg or self._storage.fs  # what `path` is on
+        self.path = self._storage.fs_path()
+        self.filesystem = self._storage.filesystem  # what `path` is on
+        self.url = self._storage.url()
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
@@ -42,10 +48,10 @@ class Checkpoint:
         return f"Checkpoint(filesystem={'local' if name in ('file', 'local') else name}, path={self.path})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Checkpoint) and other.path == self.path
+        return isinstance(other, Checkpoint) and other.url == self.url
 
     def __hash__(self) -> int:
-        return hash(self.path)
+        return hash(self.url)
 
     @property
     def is_local(self) -> bool:
@@ -95,7 +101,7 @@ class Checkpoint:
     def set_metadata(self, metadata: dict[str, Any]) -> None:
         """Store user metadata; only before the checkpoint is reported (committed ones are immutable)."""
         if self._storage.exists(MARKER):
-            raise ValueError(f"{self.path} is a committed checkpoint; committed checkpoints are "
+            raise ValueError(f"{self.url} is a committed checkpoint; committed checkpoints are "
                              "immutable. Hint: set metadata before passing it to train.report")
         self._storage.write_atomic(METADATA, json.dumps(metadata, default=repr).encode())
 

@@ -156,6 +156,11 @@ class Storage:
             return path
         return self.fs.unstrip_protocol(path)
 
+    def fs_path(self, rel: str = "") -> str:
+        """The path of `rel` on `filesystem` (Ray's `Result.path` / `Checkpoint.path`): the URL
+        without its scheme."""
+        return self.url(rel) if self._layers else self.path(rel)
+
     def child(self, rel: str) -> Storage:
         return self._at(self.path(rel))
 
@@ -180,6 +185,11 @@ class Storage:
         if self._layers:
             return self._layers[0]
         return None if self.is_local else self.fs
+
+    @property
+    def filesystem(self) -> fsspec.AbstractFileSystem:
+        """The filesystem `fs_path` is a path on."""
+        return self.filesystem_arg or self.fs
 
     @property
     def renames_atomically(self) -> bool:

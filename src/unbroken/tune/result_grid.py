@@ -43,7 +43,8 @@ def trial_result(storage: Storage, record: TrialRecord, config: dict[str, Any] |
         except (UnbrokenError, OSError, ValueError):
             base = None
     if base is None:
-        base = Result(metrics=None, checkpoint=None, error=None, path=path.url())
+        base = Result(metrics=None, checkpoint=None, error=None, path=path.fs_path(),
+                      _filesystem=path.filesystem)
     values = {f.name: getattr(base, f.name) for f in fields(Result)}
     if values["metrics"] is None:
         values["metrics"] = {}  # Ray's value for a trial without results: r.metrics.get(...) works
