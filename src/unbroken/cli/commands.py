@@ -25,6 +25,7 @@ from typing import Any
 
 from unbroken import __version__
 from unbroken.cli import inspection
+from unbroken.core.units import format_bytes
 from unbroken.errors import (
     LeaseHeldError,
     RunNotFoundError,
@@ -37,7 +38,7 @@ from unbroken.observe.progress import format_value, is_terminal
 from unbroken.run.callbacks import numeric_metrics
 from unbroken.store import history
 from unbroken.store import manifest as mf
-from unbroken.store.storage import Storage, format_bytes
+from unbroken.store.storage import Storage
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 _USAGE_ERRORS = (RunNotFoundError, UnknownMetricError)

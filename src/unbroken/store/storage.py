@@ -33,6 +33,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from unbroken.core import faults
+from unbroken.core.units import format_bytes
 from unbroken.errors import StorageError, StorageFullError
 from unbroken.store.storage_errors import (
     PreconditionFailed,
@@ -59,15 +60,6 @@ CREATE = "<create>"  # write_conditional(expect=CREATE): only if the object does
 # before a file is written into them.
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "gcsfs", "abfs", "abfss", "az", "adl", "oci",
                            "oss", "r2", "tos", "cos", "obs", "memory"})
-
-
-def format_bytes(n: int | float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _local_sum(path: str) -> tuple[int, int]:
