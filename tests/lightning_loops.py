@@ -103,3 +103,56 @@ def final_weights(result) -> dict[str, torch.Tensor]:
     with result.checkpoint.as_directory() as d:
         path = os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME)
         return torch.load(path, weights_only=False)["state_dict"]
+
+
+class IndexModel(pl.LightningModule):
+    """A model over datasets of sample indices that records which indices this rank trained and
+    validated on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.seen: dict[str, list[int]] = {"train": [], "val": []}
+
+    def training_step(self, batch, batch_idx):
+        self.seen["train"] += batch.tolist()
+        x = batch.float().unsqueeze(1)
+        return torch.nn.functional.mse_loss(self.net(x), x)
+
+    def validation_step(self, batch, batch_idx):
+        self.seen["val"] += batch.tolist()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def quiet_trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, **kwargs)
+
+
+def shard_loop(config: dict) -> None:
+    """One epoch over `train.get_dataset_shard` loaders with Ray's strategy; each rank writes the
+    indices it saw to <out>/seen<rank>.json."""
+    import json
+
+    from torch.utils.data import DataLoader
+
+    model = IndexModel()
+    trainer = prepare_trainer(quiet_trainer(max_epochs=1, devices="auto", strategy=RayDDPStrategy(),
+                                            plugins=[RayLightningEnvironment()], num_sanity_val_steps=0))
+    trainer.fit(model, DataLoader(train.get_dataset_shard("train"), batch_size=4, shuffle=True),
+                DataLoader(train.get_dataset_shard("val"), batch_size=4))
+    rank = train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"seen{rank}.json"), "w") as f:
+        json.dump(model.seen, f)
+    train.report({"steps": trainer.global_step})
+
+
+def no_strategy_loop(config: dict) -> None:
+    """Ray's checkpoint snippet as it is, without the Ray strategy: each rank's Trainer trains
+    alone. `differ`: each rank starts from other weights."""
+    rank = train.get_context().get_world_rank()
+    torch.manual_seed(rank if config.get("differ") else 0)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[RayTrainReportCallback()])
+    trainer.fit(Regressor(0.02), torch.utils.data.DataLoader(regression_data(16, 1), batch_size=8))

@@ -16,10 +16,6 @@ def build_fsdp(width: int = 32, sharded: bool = True) -> torch.nn.Module:
     if sharded:
         from torch.distributed.fsdp import fully_shard
 
-        if not torch.distributed.is_initialized():  # one worker: TorchTrainer starts no process group
-            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
-                                                 world_size=1)
-
         for layer in (model[0], model[3], model[5]):
             fully_shard(layer)
         fully_shard(model)

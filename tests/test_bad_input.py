@@ -277,3 +277,23 @@ def test_use_gpu_where_no_gpu_is_visible(run, tmp_path):
         Tuner(gpu_trainer, param_space={"train_loop_config": {"iterations": grid_search([1, 2])}},
               run_config=RunConfig(name="gpu-sweep", storage_path=storage)).fit()
     assert not os.path.exists(storage), "a sweep is refused before anything is written too"
+
+
+@pytest.mark.parametrize("name,hint", [
+    ("ResourceChangingScheduler", "scaling_config"),
+    ("PopulationBasedTraining", "ASHAScheduler"),
+    ("HyperBandScheduler", "ASHAScheduler"),
+])
+def test_ray_tune_schedulers_unbroken_does_not_provide_say_what_instead(name, hint):
+    from unbroken.errors import UnsupportedAPIError
+
+    with pytest.raises(UnsupportedAPIError, match="Hint") as refused:
+        exec(f"from unbroken.tune.schedulers import {name}")
+    assert hint in str(refused.value) and "Ray Tune" in str(refused.value)
+
+
+def test_ray_tune_scheduler_module_paths_import():
+    from unbroken.tune import schedulers
+    from unbroken.tune.schedulers.async_hyperband import ASHAScheduler, AsyncHyperBandScheduler
+
+    assert ASHAScheduler is AsyncHyperBandScheduler is schedulers.ASHAScheduler

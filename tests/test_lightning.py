@@ -20,9 +20,9 @@ from integration_checks import (  # noqa: E402
     check_resumed_like,
     kill_driver_at,
 )
-from lightning_loops import lightning_loop  # noqa: E402
+from lightning_loops import lightning_loop, no_strategy_loop, shard_loop  # noqa: E402
 from unbroken import tune  # noqa: E402
-from unbroken.errors import TrainingInterruptedError  # noqa: E402
+from unbroken.errors import TrainingInterruptedError, UnsupportedAPIError  # noqa: E402
 from unbroken.train import (  # noqa: E402
     CheckpointConfig,
     Result,
@@ -176,6 +176,44 @@ def test_prepare_trainer_and_environment(storage):
     assert seen["world_size"] == 2 and seen["rank"] == 0 and seen["ddp"] and seen["fsdp"]
     assert seen["ddp_sampler"] == seen["fsdp_sampler"] == {"num_replicas": 2, "rank": 0}
     assert "RayDDPStrategy" in seen["plain_ddp"] and "RayLightningEnvironment" in seen["other_env"]
+
+
+def test_dataset_shards_are_not_split_a_second_time(storage, tmp_path):
+    # get_dataset_shard gave each rank its part already; Lightning's distributed sampler must not
+    # split that part again: together the ranks see each sample once an epoch.
+    TorchTrainer(shard_loop, train_loop_config={"out": str(tmp_path)},
+                 scaling_config=ScalingConfig(num_workers=2),
+                 datasets={"train": list(range(32)), "val": list(range(100, 116))},
+                 run_config=RunConfig(name="shards", storage_path=storage)).fit()
+    seen = [json.load(open(tmp_path / f"seen{rank}.json")) for rank in range(2)]
+    for split, everything in [("train", range(32)), ("val", range(100, 116))]:
+        assert [len(set(s[split])) for s in seen] == [len(everything) // 2] * 2, split
+        assert sorted(seen[0][split] + seen[1][split]) == list(everything), split
+
+
+def test_the_report_callback_without_the_ray_strategy(storage):
+    # Ray's snippet (callbacks=[RayTrainReportCallback()], no strategy) on 2 workers: each rank's
+    # Trainer is rank 0 of its own, and the generator files are named by the run's rank.
+    def fit(name, **config):
+        return TorchTrainer(no_strategy_loop, train_loop_config=config,
+                            scaling_config=ScalingConfig(num_workers=2),
+                            run_config=RunConfig(name=name, storage_path=storage)).fit()
+
+    result = fit("alike")
+    files = sorted(f for f in os.listdir(result.checkpoint.path) if not f.startswith("."))
+    assert files == ["checkpoint.ckpt", "rng_rank0.pt", "rng_rank1.pt"]
+    # Ranks whose models differ cannot share checkpoint.ckpt: the error says what to change.
+    with pytest.raises(TrainingFailedError, match="RayDDPStrategy") as failed:
+        fit("apart", differ=True)
+    assert "rng_rank" not in str(failed.value) and "checkpoint.ckpt" in str(failed.value)
+
+
+@pytest.mark.parametrize("name,hint", [("RayDeepSpeedStrategy", "RayFSDPStrategy"),
+                                       ("LightningTrainer", "TorchTrainer")])
+def test_ray_lightning_names_unbroken_does_not_provide_say_what_instead(name, hint):
+    with pytest.raises(UnsupportedAPIError, match="Hint") as refused:
+        exec(f"from unbroken.train.lightning import {name}")
+    assert hint in str(refused.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP on this torch needs an accelerator")

@@ -51,7 +51,11 @@ def context_loop(config):
             "local_rank": ctx.get_local_rank(), "node": ctx.get_node_rank(),
             "name": ctx.get_experiment_name(), "attempt": ctx.get_attempt(),
             "storage": ctx.get_storage_path(), "shard": list(shard),
-            "dist": torch.distributed.is_initialized(), "env_rank": os.environ["RANK"]}
+            "dist": torch.distributed.is_initialized(), "env_rank": os.environ["RANK"],
+            # prepare_data_loader on the shard: it shares out the dataset the shard was cut from,
+            # instead of splitting this rank's part a second time.
+            "loaded": [int(v) for batch in prepare_data_loader(
+                torch.utils.data.DataLoader(shard, batch_size=2, shuffle=True)) for v in batch]}
     with open(os.path.join(config["out"], f"rank{info['rank']}.json"), "w") as f:
         json.dump(info, f)
     train.report({"x": 1})
@@ -70,6 +74,28 @@ def test_context_and_dataset_shards(storage, tmp_path, trainer_cls, dist):
         assert info["dist"] is dist
     assert sorted(infos[0]["shard"] + infos[1]["shard"]) == list(range(10))
     assert not set(infos[0]["shard"]) & set(infos[1]["shard"])
+    assert sorted(infos[0]["loaded"] + infos[1]["loaded"]) == list(range(10)), "each sample once an epoch"
+
+
+def one_worker_loop(config):
+    import torch.distributed as dist
+
+    total = torch.tensor([3.0])
+    dist.all_reduce(total)
+    dist.barrier()
+    model = prepare_model(torch.nn.Linear(1, 1))
+    train.report({"sum": total.item(), "rank": dist.get_rank(), "world": dist.get_world_size(),
+                  "backend": dist.get_backend(), "model": type(model).__name__,
+                  "master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")]})
+
+
+def test_one_worker_has_a_process_group_of_one(storage):
+    # Ray's default ScalingConfig: one worker, which still has torch.distributed to call.
+    result = TorchTrainer(one_worker_loop, run_config=RunConfig(name="one", storage_path=storage)).fit()
+    metrics = result.metrics
+    assert (metrics["sum"], metrics["rank"], metrics["world"], metrics["backend"]) == (3.0, 0, 1, "gloo")
+    assert metrics["model"] == "Linear", "as in Ray, prepare_model wraps in DDP only with several workers"
+    assert metrics["master"][0] and int(metrics["master"][1]) > 0
 
 
 def loader_loop(config):

@@ -4,6 +4,7 @@ process) and ends exactly as the uninterrupted run; stop, checkpoint retention a
 through the report callback."""
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -16,8 +17,9 @@ pytest.importorskip("accelerate")
 
 from conftest import TESTS, driver_env, run_json, run_script  # noqa: E402
 from integration_checks import RESTORE, assert_equal_tensors, check_resumed_like, kill_driver_at  # noqa: E402
-from transformers_loops import final_weights, transformers_loop  # noqa: E402
+from transformers_loops import Numbered, final_weights, shard_loop, transformers_loop  # noqa: E402
 from unbroken import tune  # noqa: E402
+from unbroken.errors import UnsupportedAPIError  # noqa: E402
 from unbroken.train import (  # noqa: E402
     CheckpointConfig,
     Result,
@@ -143,6 +145,20 @@ def check_prepare_trainer(config: dict) -> None:
         prepare_trainer(lone)
     except RuntimeError as e:
         seen["lone"] = str(e)
+    # The world-size refusal says what is wrong: TrainingArguments on a CPU without use_cpu=True,
+    # built here in the worker; or arguments set up without the run's environment (as when built
+    # in the driver), with use_cpu=True.
+    run_env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+               if k in os.environ}
+    outside = transformers.TrainingArguments(output_dir=config["output_dir"], use_cpu=True, report_to=[])
+    outside.world_size  # noqa: B018 (set up without the run's environment)
+    os.environ.update(run_env)
+    inside_no_cpu = transformers.TrainingArguments(output_dir=config["output_dir"], report_to=[])
+    for name, args in [("outside", outside), ("no_use_cpu", inside_no_cpu)]:
+        try:
+            prepare_trainer(transformers.Trainer(model=tiny_bert(), args=args, train_dataset=Sequences(8, 0)))
+        except RuntimeError as e:
+            seen[name] = str(e)
     train.report(seen)
 
 
@@ -154,6 +170,41 @@ def test_prepare_trainer_checks_the_world_size_and_warns(storage, tmp_path):
     assert seen["no_save"][0] and "save_strategy='no'" in seen["no_save"][1][0]
     assert seen["no_skip"][0] and "ignore_data_skip=True" in seen["no_skip"][1][0]
     assert "sees 1 process(es) but the run has 2" in seen["lone"]
+    assert "inside train_loop_per_worker" in seen["outside"] and "use_cpu" not in seen["outside"]
+    if not torch.cuda.is_available():
+        assert "use_cpu=True" in seen["no_use_cpu"]
+        assert "inside train_loop_per_worker" not in seen["no_use_cpu"]
+
+
+def test_one_worker_trains_as_in_ray(storage, tmp_path):
+    # Ray's default ScalingConfig: one worker, with RANK, WORLD_SIZE and LOCAL_RANK set, so the
+    # Trainer (accelerate) joins the process group TorchTrainer set up.
+    result = TorchTrainer(transformers_loop,
+                          train_loop_config={"output_dir": str(tmp_path / "out"), "max_steps": 3},
+                          run_config=RunConfig(name="one", storage_path=storage)).fit()
+    assert list(result.metrics_dataframe["step"]) == [3]
+
+
+def test_dataset_shards_are_not_split_a_second_time(storage, tmp_path):
+    # get_dataset_shard gave each rank its part already; the Trainer's own sharding must not split
+    # that part again: together the ranks see each sample once, in training (one epoch: 64
+    # samples, 2 ranks, batch 4) and in evaluation.
+    result = TorchTrainer(shard_loop, train_loop_config={"out": str(tmp_path), "steps": 8},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          datasets={"train": Numbered(64, 1, "train"), "eval": Numbered(16, 2, "eval")},
+                          run_config=RunConfig(name="shards", storage_path=storage)).fit()
+    fetched = [json.load(open(tmp_path / f"fetched{rank}.json")) for rank in range(2)]
+    for split, n in [("train", 64), ("eval", 16)]:
+        assert [len(set(f[split])) for f in fetched] == [n // 2] * 2, split
+        assert sorted(set(fetched[0][split]) | set(fetched[1][split])) == list(range(n)), split
+    refused = result.metrics["refused"]
+    assert refused.startswith("UnsupportedOptionError") and "prepare_trainer(trainer)" in refused
+
+
+def test_ray_huggingface_names_unbroken_does_not_provide_say_what_instead():
+    with pytest.raises(UnsupportedAPIError, match="Hint") as refused:
+        from unbroken.train.huggingface import TransformersTrainer  # noqa: F401
+    assert "unbroken.train.huggingface.transformers" in str(refused.value)
 
 
 def test_missing_transformers_names_the_extra(monkeypatch):

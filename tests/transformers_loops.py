@@ -99,3 +99,50 @@ def final_weights(result) -> dict[str, torch.Tensor]:
 
     with result.checkpoint.as_directory() as d:
         return load_file(os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME, "model.safetensors"))
+
+
+FETCHED: dict[str, list[int]] = {}
+
+
+class Numbered(Sequences):
+    """Sequences that record, under their `name`, which samples this process fetched."""
+
+    def __init__(self, n: int, seed: int, name: str) -> None:
+        super().__init__(n, seed)
+        self.name = name
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        FETCHED.setdefault(self.name, []).append(int(i))
+        return super().__getitem__(i)
+
+
+def shard_loop(config: dict) -> None:
+    """One epoch of training and one evaluation on `train.get_dataset_shard` datasets; each rank
+    writes the samples it fetched to <out>/fetched<rank>.json."""
+    import json
+    import warnings
+
+    rank = train.get_context().get_world_rank()
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(config["out"], f"rank{rank}"), max_steps=config["steps"],
+        per_device_train_batch_size=4, per_device_eval_batch_size=4, save_strategy="no", eval_strategy="no",
+        logging_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=tiny_bert(), args=args,
+                                   train_dataset=train.get_dataset_shard("train"),
+                                   eval_dataset=train.get_dataset_shard("eval"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nothing is reported: this loop only counts
+        prepare_trainer(trainer)
+    trainer.train()
+    trainer.evaluate()
+    with open(os.path.join(config["out"], f"fetched{rank}.json"), "w") as f:
+        json.dump(FETCHED, f)
+    # Without prepare_trainer the report callback refuses to train on a shard.
+    unprepared = transformers.Trainer(model=tiny_bert(), args=args, callbacks=[RayTrainReportCallback()],
+                                      train_dataset=train.get_dataset_shard("train"))
+    try:
+        unprepared.train()
+        refused = ""
+    except Exception as e:
+        refused = f"{type(e).__name__}: {e}"
+    train.report({"step": trainer.state.global_step, "refused": refused})

@@ -105,8 +105,9 @@ class UnsupportedOptionError(UnbrokenError, ValueError):
 
 
 class UnsupportedAPIError(UnbrokenError, ImportError):
-    """A Ray Train name that unbroken does not provide, imported from unbroken.train or
-    unbroken.train.torch; the message says what to use instead."""
+    """A Ray Train or Ray Tune name that unbroken does not provide, imported from unbroken's
+    module of the same role (unbroken.train, .train.torch, .train.lightning, .train.huggingface,
+    unbroken.tune.schedulers); the message says what to use instead."""
 
 
 class WorkerGroupError(TrainingFailedError):

@@ -1,9 +1,10 @@
-"""The Ray Train names unbroken does not provide, each with what to do instead.
+"""The Ray Train and Ray Tune names unbroken does not provide, each with what to do instead.
 
-`unbroken.train` and `unbroken.train.torch` look a missing name up here (their module
-`__getattr__`), so that a script ported from Ray that imports one fails at that import with
-UnsupportedAPIError saying what to use, not with a bare "cannot import name". The full list
-of Ray Train V2's names and what unbroken does with each is docs/porting-from-ray.md.
+`unbroken.train`, `unbroken.train.torch`, `unbroken.train.lightning`,
+`unbroken.train.huggingface` and `unbroken.tune.schedulers` look a missing name up here (their
+module `__getattr__`), so that a script ported from Ray that imports one fails at that import
+with UnsupportedAPIError saying what to use, not with a bare "cannot import name". The full
+list of Ray Train V2's names and what unbroken does with each is docs/porting-from-ray.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from unbroken.errors import UnsupportedAPIError
 
 _NO_VALIDATION = ("unbroken runs no validation tasks. Hint: evaluate in the training function and "
                   "report the result as a metric with the checkpoint")
+
+_HYPERBAND = ("synchronous HyperBand is not provided. Hint: use ASHAScheduler (asynchronous successive "
+              "halving, HyperBand's early stopping without waiting for a rung to fill)")
+_PBT = ("population-based training is not provided: trials share no weights or hyperparameters. Hint: "
+        "use ASHAScheduler to stop poor trials early")
 
 NOT_PROVIDED: dict[str, dict[str, str]] = {
     "unbroken.train": {
@@ -49,13 +55,43 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                           "torch.load in your own inference code",
         "TorchDetectionPredictor": "see TorchPredictor",
     },
+    "unbroken.train.lightning": {
+        "RayDeepSpeedStrategy": "DeepSpeed is not supported. Hint: use RayFSDPStrategy (parameters, "
+                                "gradients and optimizer state sharded) or RayDDPStrategy",
+        "LightningTrainer": "removed from Ray (2.7): a Lightning Trainer runs inside the training function. "
+                            "Hint: TorchTrainer(train_loop_per_worker) whose function builds pl.Trainer("
+                            "strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()], "
+                            "callbacks=[RayTrainReportCallback()]) (docs/integrations.md)",
+        "LightningConfigBuilder": "see LightningTrainer. Hint: build pl.Trainer inside train_loop_per_worker "
+                                  "of a TorchTrainer",
+    },
+    "unbroken.train.huggingface": {
+        "TransformersTrainer": "removed from Ray (2.7): a transformers.Trainer runs inside the training "
+                               "function. Hint: TorchTrainer(train_loop_per_worker) whose function builds "
+                               "the Trainer, adds RayTrainReportCallback and calls prepare_trainer, both "
+                               "from unbroken.train.huggingface.transformers (docs/integrations.md)",
+    },
+    "unbroken.tune.schedulers": {
+        "ResourceChangingScheduler": "a trial keeps the resources it started with. Hint: say what a trial "
+                                     "uses with its trainer's scaling_config",
+        "HyperBandScheduler": _HYPERBAND,
+        "HyperBandForBOHB": _HYPERBAND,
+        "MedianStoppingRule": "Hint: use ASHAScheduler, or stop trials with RunConfig(stop=...)",
+        "PopulationBasedTraining": _PBT,
+        "PopulationBasedTrainingReplay": _PBT,
+        "PB2": _PBT,
+        "TrialScheduler": "schedulers of your own are not supported. Hint: use FIFOScheduler or "
+                          "ASHAScheduler, or stop trials with RunConfig(stop=...)",
+        "create_scheduler": "Hint: build the scheduler itself: FIFOScheduler() or ASHAScheduler(...)",
+    },
 }
 
 
 def refuse(module: str, name: str) -> None:
-    """UnsupportedAPIError for a Ray Train name unbroken does not provide; AttributeError for
-    any other missing name (what a module's `__getattr__` must raise)."""
+    """UnsupportedAPIError for a Ray name unbroken does not provide; AttributeError for any
+    other missing name (what a module's `__getattr__` must raise)."""
     hint = NOT_PROVIDED.get(module, {}).get(name)
     if hint is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    raise UnsupportedAPIError(f"{module}.{name} (Ray Train's) is not provided: {hint}", name=name)
+    library = "Ray Tune" if module.startswith("unbroken.tune") else "Ray Train"
+    raise UnsupportedAPIError(f"{module}.{name} ({library}'s) is not provided: {hint}", name=name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken.core import ray_names as _ray_names
+from unbroken.core.codec import is_dataset_builder
 from unbroken.core.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from unbroken.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from unbroken.observe.mlflow_logger import MLflowLoggerCallback
@@ -25,6 +26,7 @@ from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import check_custom_name
 from unbroken.train import collective
 from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
+from unbroken.worker import dataset_shard as _dataset_shard
 from unbroken.worker import session as _session
 from unbroken.worker.report_config import (
     CheckpointConsistencyMode,
@@ -110,5 +112,15 @@ def get_context() -> TrainContext:
 
 
 def get_dataset_shard(name: str) -> Any:
-    """This rank's shard of `datasets[name]`."""
-    return _session.current("train.get_dataset_shard()").get_dataset_shard(name)
+    """This rank's shard of `datasets[name]`: every world_size-th item from this rank on (a list
+    or tuple for list and tuple datasets, else a `torch.utils.data.Subset`).
+
+    `prepare_data_loader`, Lightning under `RayDDPStrategy` and the Transformers Trainer after
+    `prepare_trainer` recognise a shard and share out the dataset it was cut from instead of
+    splitting it again."""
+    session = _session.current("train.get_dataset_shard()")
+    given = session.datasets.get(name)
+    if not is_dataset_builder(given):  # (a name not given: the session's KeyError says so)
+        return _dataset_shard.mark(session.get_dataset_shard(name), given)
+    whole = given()  # built once here, so the shard's whole dataset is the one it was cut from
+    return _dataset_shard.mark(_session.shard(whole, session.info.world_rank, session.info.world_size), whole)

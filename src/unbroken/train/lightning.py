@@ -20,17 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import random
 import tempfile
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from unbroken import train
+from unbroken.core import ray_names as _ray_names
+from unbroken.errors import CheckpointConflictError, UnsupportedOptionError
 from unbroken.store.checkpoint import Checkpoint
-from unbroken.worker.torch_backend import get_device
+from unbroken.train import collective
+from unbroken.worker import dataset_shard
+from unbroken.worker.torch_backend import get_device, loader_kwargs
 
 
 def _import_lightning() -> Any:
@@ -46,11 +53,16 @@ def _import_lightning() -> Any:
     return pl
 
 
+log = logging.getLogger("unbroken")
 pl = _import_lightning()
 _environments = importlib.import_module(f"{pl.__name__}.plugins.environments")
 
 __all__ = ["RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback",
            "checkpoint_path", "fit_or_resume", "prepare_trainer"]
+
+
+def __getattr__(name: str) -> Any:
+    _ray_names.refuse(__name__, name)  # a Ray name unbroken does not provide: says what instead
 
 
 class _UnbrokenPlacement:
@@ -64,6 +76,30 @@ class _UnbrokenPlacement:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        return super().process_dataloader(_whole_dataset(dataloader))  # type: ignore[misc]
+
+
+def _whole_dataset(loader: Any) -> Any:
+    """`loader` as Lightning made it; but where its distributed sampler would split a shard of
+    `train.get_dataset_shard` (this rank's part already: each rank would see 1/world² of the
+    data), the same loader over the dataset the shard was cut from, which the sampler shares
+    out among the ranks as Lightning does with any dataset."""
+    sampler = getattr(loader, "sampler", None)
+    whole = dataset_shard.whole_of(getattr(loader, "dataset", None))
+    if whole is None or not isinstance(sampler, DistributedSampler):
+        return loader
+    if type(sampler) is not DistributedSampler or type(loader.batch_sampler) is not BatchSampler:
+        custom = sampler if type(sampler) is not DistributedSampler else loader.batch_sampler
+        raise UnsupportedOptionError(
+            f"a DataLoader over a shard of train.get_dataset_shard uses {type(custom).__name__}, which "
+            "Lightning's distributed sampler would split again (each rank would see 1/world² of the "
+            "data). Hint: give the DataLoader the whole dataset, or pass use_distributed_sampler=False "
+            "to the Trainer to keep each rank on its shard")
+    sampler = DistributedSampler(whole, num_replicas=sampler.num_replicas, rank=sampler.rank,
+                                 shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+    return DataLoader(whole, sampler=sampler, **loader_kwargs(loader))
 
 
 class RayDDPStrategy(_UnbrokenPlacement, pl.strategies.DDPStrategy):
@@ -161,7 +197,7 @@ class RayTrainReportCallback(pl.callbacks.Callback):
 
         checkpoint_00000N/
           checkpoint.ckpt     the Lightning checkpoint (trainer.save_checkpoint, from rank 0)
-          rng_rank<k>.pt      rank k's python/numpy/torch generator states
+          rng_rank<k>.pt      python/numpy/torch generator states of the run's rank k
 
     When `trainer.fit(..., ckpt_path=...)` resumes from `checkpoint.ckpt`, this callback puts
     back this rank's generators saved beside it before the fit loop starts, so the run goes on
@@ -176,7 +212,7 @@ class RayTrainReportCallback(pl.callbacks.Callback):
         # generators (Lightning's isolate_rng), so it does not disturb them.
         path = trainer.ckpt_path
         if path and os.path.basename(str(path)) == self.CHECKPOINT_NAME:
-            rng = os.path.join(os.path.dirname(str(path)), f"rng_rank{trainer.global_rank}.pt")
+            rng = _rng_file(os.path.dirname(str(path)))
             if os.path.exists(rng):
                 _set_rng_state(torch.load(rng, weights_only=False))
 
@@ -185,9 +221,53 @@ class RayTrainReportCallback(pl.callbacks.Callback):
         metrics["epoch"] = trainer.current_epoch
         metrics["step"] = trainer.global_step
         with tempfile.TemporaryDirectory(prefix="unbroken-lightning-") as d:
-            torch.save(_rng_state(), os.path.join(d, f"rng_rank{trainer.global_rank}.pt"))
-            trainer.save_checkpoint(os.path.join(d, self.CHECKPOINT_NAME), weights_only=False)
+            torch.save(_rng_state(), _rng_file(d))
+            path = os.path.join(d, self.CHECKPOINT_NAME)
+            trainer.save_checkpoint(path, weights_only=False)
+            if trainer.world_size != train.get_context().get_world_size():
+                _check_one_model(trainer, path)
             train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+
+
+def _rng_file(directory: str) -> str:
+    """This rank's generator file: named by the run's rank, which Lightning's own rank is only
+    under unbroken's strategies (without them every rank's Trainer is rank 0)."""
+    return os.path.join(directory, f"rng_rank{train.get_context().get_world_rank()}.pt")
+
+
+_warned_alone = False
+
+
+def _check_one_model(trainer: Any, path: str) -> None:
+    """The Trainer does not know the run's other ranks (no unbroken strategy), so every rank
+    trains alone and writes `checkpoint.ckpt`. Ranks that trained the same model write the same
+    file, which the run keeps once; a rank whose file differs from rank 0's raises here, with
+    what to change, instead of the checkpoint failing to commit. Collective."""
+    global _warned_alone
+    context = train.get_context()
+    why = (f"the Lightning Trainer sees {trainer.world_size} process(es) but the run has "
+           f"{context.get_world_size()}, so each rank trains a model of its own")
+    hint = ("Hint: pass strategy=RayDDPStrategy() and plugins=[RayLightningEnvironment()] to the "
+            "Trainer and call prepare_trainer(trainer) (unbroken.train.lightning), so the ranks train "
+            "one model together")
+    if context.get_world_rank() == 0 and not _warned_alone:
+        _warned_alone = True
+        log.warning("%s. %s", why, hint)
+    mine = _digest(path) if os.path.exists(path) else None
+    first = collective.broadcast_from_rank_zero(mine)
+    if mine is not None and first is not None and mine != first:
+        raise CheckpointConflictError(
+            f"rank {context.get_world_rank()}'s {RayTrainReportCallback.CHECKPOINT_NAME} differs from "
+            f"rank 0's: {why}, and one checkpoint cannot hold them all. {hint}")
+
+
+def _digest(path: str) -> tuple[int, int]:
+    """(size, CRC-32) of a file: what the commit compares when two ranks write the same path."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+    return os.path.getsize(path), crc
 
 
 def _number(value: Any) -> Any:

@@ -25,6 +25,7 @@ from torch.utils.data import (
 
 from unbroken.state.sample_seed import KeyedSampler, SeededDataset, sample_seed
 from unbroken.state.sampler import ResumableSampler
+from unbroken.worker import dataset_shard
 from unbroken.worker import session as session_mod
 from unbroken.worker.backend import Backend, RendezvousFn
 from unbroken.worker.session import Session
@@ -53,13 +54,16 @@ class TorchBackend(Backend):
         info = session.info
         if info.use_gpu and torch.cuda.is_available():
             torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        if info.world_size == 1:
-            return
         backend = self.config.backend or ("nccl" if info.use_gpu else "gloo")
         timeout = datetime.timedelta(seconds=self.config.timeout_s)
         # Rank 0 binds a free port itself and tells the others where it is, on its node's
-        # address: no port race on a busy machine.
-        if info.world_rank == 0:
+        # address: no port race on a busy machine. One worker gets a group too, as in Ray: loops
+        # call torch.distributed, and frameworks rendezvous at MASTER_ADDR/MASTER_PORT.
+        if info.world_size == 1:
+            store = dist.TCPStore(info.node_address, 0, 1, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            host, port = info.node_address, store.port
+        elif info.world_rank == 0:
             store = dist.TCPStore(info.node_address, 0, info.world_size, is_master=True,
                                   timeout=timeout, wait_for_workers=False)
             host, port = rendezvous((info.node_address, store.port))
@@ -166,7 +170,8 @@ class ResumableDataLoader:
 
     @property
     def dataset(self) -> Any:
-        """The dataset as it was given (without the per-sample seeding wrapper)."""
+        """The dataset as it was given (without the per-sample seeding wrapper), or, for a shard
+        of `train.get_dataset_shard`, the dataset it was cut from."""
         return self._dataset
 
     @property
@@ -291,7 +296,8 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
     position TrainState saves and restores, so a resumed run continues mid-epoch with the next
     unseen samples, with any number of ranks. Any sampler other than the default ones is
     replaced when there are several ranks, as in Ray Train; with one rank it is kept and the
-    loader is not resumable.
+    loader is not resumable. A shard from `train.get_dataset_shard` is this rank's part already:
+    the sampler shares out the dataset it was cut from instead of splitting the shard again.
 
     `seed`: the sample order's seed; default: a DistributedSampler's seed, else the
     DataLoader's `generator` seed, else 0. `seed_per_sample`: seed python's `random`, numpy
@@ -317,6 +323,11 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
         return DeviceDataLoader(data_loader, device, reason)
 
     old = data_loader.sampler
+    # A shard from train.get_dataset_shard is this rank's part already: share out the whole
+    # dataset it was cut from rather than split the part again.
+    dataset = dataset_shard.whole_of(data_loader.dataset)
+    if dataset is None:
+        dataset = data_loader.dataset
     shuffle = not isinstance(old, SequentialSampler)
     drop_last_share = False
     if isinstance(old, DistributedSampler):
@@ -328,25 +339,32 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
             seed = data_loader.generator.initial_seed()
         else:
             seed = 0
-    dataset = data_loader.dataset
     sampler = ResumableSampler(len(dataset), num_replicas=world_size, rank=rank, shuffle=shuffle,
                                seed=seed, drop_last=drop_last_share)
     if seed_per_sample is None:
         seed_per_sample = data_loader.num_workers > 0
     generator = torch.Generator()
-    kwargs: dict[str, Any] = dict(
-        batch_size=data_loader.batch_size, num_workers=data_loader.num_workers,
-        pin_memory=data_loader.pin_memory, drop_last=data_loader.drop_last, timeout=data_loader.timeout,
-        worker_init_fn=_worker_init_fn(data_loader), generator=generator,
-        multiprocessing_context=data_loader.multiprocessing_context,
-        persistent_workers=data_loader.persistent_workers)
-    if data_loader.num_workers > 0:
-        kwargs["prefetch_factor"] = data_loader.prefetch_factor
-    if data_loader.pin_memory_device:
-        kwargs["pin_memory_device"] = data_loader.pin_memory_device
+    kwargs = loader_kwargs(data_loader)
+    kwargs.update(worker_init_fn=_worker_init_fn(data_loader), generator=generator)
     if seed_per_sample:
-        loader = DataLoader(SeededDataset(dataset, seed), sampler=KeyedSampler(sampler),
-                            collate_fn=data_loader.collate_fn, **kwargs)
+        loader = DataLoader(SeededDataset(dataset, seed), sampler=KeyedSampler(sampler), **kwargs)
     else:
-        loader = DataLoader(dataset, sampler=sampler, collate_fn=data_loader.collate_fn, **kwargs)
+        loader = DataLoader(dataset, sampler=sampler, **kwargs)
     return ResumableDataLoader(loader, sampler, dataset, device, generator)
+
+
+def loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+    """The arguments `loader` was built with, but its dataset and sampler: to build the same
+    loader over another dataset or sampler."""
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+        multiprocessing_context=loader.multiprocessing_context, persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if loader.pin_memory_device:
+        kwargs["pin_memory_device"] = loader.pin_memory_device
+    if not getattr(loader, "in_order", True):
+        kwargs["in_order"] = False
+    return kwargs

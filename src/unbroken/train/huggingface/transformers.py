@@ -30,9 +30,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from unbroken import train
+from unbroken.errors import UnsupportedOptionError
 from unbroken.store.checkpoint import Checkpoint
+from unbroken.worker import dataset_shard
 
 try:
+    import torch
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ModuleNotFoundError:
@@ -94,6 +97,15 @@ class RayTrainReportCallback(transformers.TrainerCallback):
 
     CHECKPOINT_NAME = "checkpoint"
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        loader = kwargs.get("train_dataloader")
+        if args.world_size > 1 and dataset_shard.whole_of(getattr(loader, "dataset", None)) is not None:
+            raise UnsupportedOptionError(
+                "the Trainer's train_dataset is a shard of train.get_dataset_shard, which the Trainer "
+                "would split again among the ranks (each would train on 1/world² of the data). Hint: "
+                "call prepare_trainer(trainer) before training: it gives the Trainer the whole dataset "
+                "to share out")
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         metrics: dict[str, Any] = {}
         for entry in state.log_history:
@@ -109,18 +121,26 @@ class RayTrainReportCallback(transformers.TrainerCallback):
 
 
 def prepare_trainer(trainer: Any) -> Any:
-    """Check that a `transformers.Trainer` fits the run it is in; returns it unchanged.
+    """Check that a `transformers.Trainer` fits the run it is in; returns it.
 
     Raises `RuntimeError` when the Trainer sees another world size than the run (it would
     train each rank alone). Warns when nothing would be reported (no `RayTrainReportCallback`,
     or `save_strategy="no"`) and when `ignore_data_skip=True`, which makes a resumed run
     train on batches the interrupted one had already used.
+
+    A `train_dataset` or `eval_dataset` that is a shard of `train.get_dataset_shard` is replaced
+    by the dataset it was cut from: the Trainer shares out its datasets among the ranks itself,
+    and would split this rank's part again.
     """
     context = train.get_context()
     if trainer.args.world_size != context.get_world_size():
         raise RuntimeError(f"the Trainer sees {trainer.args.world_size} process(es) but the run has "
-                           f"{context.get_world_size()}. Hint: build TrainingArguments inside "
-                           "train_loop_per_worker, after the run has started")
+                           f"{context.get_world_size()}{_why_not_the_run(trainer.args)}")
+    trainer.train_dataset = _whole(trainer.train_dataset)
+    if isinstance(trainer.eval_dataset, dict):
+        trainer.eval_dataset = {name: _whole(d) for name, d in trainer.eval_dataset.items()}
+    else:
+        trainer.eval_dataset = _whole(trainer.eval_dataset)
     if not any(isinstance(c, RayTrainReportCallback) for c in trainer.callback_handler.callbacks):
         warnings.warn("the Trainer has no RayTrainReportCallback, so it reports no metrics and no "
                       "checkpoints. Hint: trainer.add_callback(RayTrainReportCallback())", stacklevel=2)
@@ -131,6 +151,21 @@ def prepare_trainer(trainer: Any) -> Any:
         warnings.warn("ignore_data_skip=True: a resumed run trains on the batches of its current epoch "
                       "again instead of skipping to where it stopped", stacklevel=2)
     return trainer
+
+
+def _why_not_the_run(args: Any) -> str:
+    """Why TrainingArguments see another world than the run, as far as can be told here."""
+    cpu_forced = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "y", "yes", "t", "true", "on")
+    if getattr(args, "use_cpu", True) is False and not cpu_forced and not torch.cuda.is_available():
+        return (": without a GPU, TrainingArguments join the run's process group only with "
+                "use_cpu=True (accelerate leaves a CPU run undistributed otherwise). Hint: "
+                "TrainingArguments(..., use_cpu=True)")
+    return ". Hint: build TrainingArguments inside train_loop_per_worker, after the run has started"
+
+
+def _whole(dataset: Any) -> Any:
+    whole = dataset_shard.whole_of(dataset)
+    return dataset if whole is None else whole
 
 
 @contextlib.contextmanager

@@ -3,6 +3,10 @@
 - `FIFOScheduler()`: every trial runs to its end (the default).
 - `ASHAScheduler(time_attr, metric, mode, max_t, grace_period, reduction_factor)`: early
   stopping by asynchronous successive halving; `AsyncHyperBandScheduler` is the same class.
+  Ray's module path works too: `unbroken.tune.schedulers.async_hyperband`.
+
+Ray's other schedulers (HyperBand, median stopping, population-based training, resource
+changing) are refused at import with UnsupportedAPIError, which says what to use instead.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.core import ray_names as _ray_names
 from unbroken.tune.asha import ASHAScheduler
 
 
@@ -24,3 +29,7 @@ class FIFOScheduler:
 AsyncHyperBandScheduler = ASHAScheduler
 
 __all__ = ["ASHAScheduler", "AsyncHyperBandScheduler", "FIFOScheduler"]
+
+
+def __getattr__(name: str) -> Any:
+    _ray_names.refuse(__name__, name)  # a Ray Tune name unbroken does not provide: says what instead
