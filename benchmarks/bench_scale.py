@@ -93,14 +93,14 @@ def job_reports(root: str, n: int, checkpoint: bool, ckpt_every: int | None = No
     if checkpoint or ckpt_every:
         return figures
     t0 = time.perf_counter()
-    assert len(Result.from_path(result.path).metrics_dataframe) == n
+    assert len(Result.from_path(result.url).metrics_dataframe) == n
     figures["result_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "unbroken", "show", result.path], check=True,
+    subprocess.run([sys.executable, "-m", "unbroken", "show", result.url], check=True,
                    capture_output=True)
     figures["show_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    DataParallelTrainer.restore(result.path, train_loop_config=dict(config, resume_only=True)).fit()
+    DataParallelTrainer.restore(result.url, train_loop_config=dict(config, resume_only=True)).fit()
     figures["restore_fit_s"] = time.perf_counter() - t0
     return figures
 

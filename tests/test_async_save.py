@@ -170,7 +170,7 @@ except TrainingFailedError:
     print("FAILED", flush=True)
     sys.exit(0)
 import torch
-torch.save(Checkpoint(result.checkpoint.path).to_state_dict(), out)
+torch.save(Checkpoint(result.checkpoint.url).to_state_dict(), out)
 print("DONE", result.metrics["attempt"], flush=True)
 """
 

@@ -146,8 +146,8 @@ def test_names_that_cannot_name_a_checkpoint_directory(name):
 @pytest.mark.parametrize("kwargs,hint", [
     ({"checkpoint_upload_mode": CheckpointUploadMode.NO_UPLOAD}, "SYNC"),
     ({"checkpoint_upload_fn": lambda c, d: c}, "storage_path"),
-    ({"validation": True}, "report the result as a metric"),
-    ({"validate_fn": lambda c, cfg: {}}, "report the result as a metric"),
+    ({"validate_fn": lambda c, cfg: {}}, "validation_config=ValidationConfig"),
+    ({"validate_config": {}}, "validation=True"),
 ])
 def test_v2_report_options_unbroken_does_not_support(kwargs, hint):
     # Checked before anything else, so a ported script fails at its first report.
@@ -310,7 +310,6 @@ def test_custom_names_under_retention_and_a_corrupted_one_set_aside(storage, cap
 
 
 @pytest.mark.parametrize("module,name,hint", [
-    ("unbroken.train", "ValidationConfig", "report the result as a metric"),
     ("unbroken.train", "DataConfig", "get_dataset_shard"),
     ("unbroken.train", "get_preemption_info", "should_checkpoint()"),
     ("unbroken.train.torch", "accelerate", "torch.autocast"),

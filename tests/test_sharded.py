@@ -232,7 +232,7 @@ from unbroken.train.torch import TorchTrainer
 result = TorchTrainer(fsdp_loop, train_loop_config=eval(sys.argv[3]),
                       scaling_config=ScalingConfig(num_workers=2),
                       run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1])).fit()
-print("DONE", result.checkpoint.path, flush=True)
+print("DONE", result.checkpoint.url, flush=True)
 """
 
 

@@ -172,7 +172,7 @@ def jit_loop(config: dict) -> None:
     checkpoint = train.get_checkpoint()
     state.restore()
     if checkpoint is not None:
-        where, name = checkpoint.path.rstrip("/").rsplit("/", 1)
+        where, name = checkpoint.url.rstrip("/").rsplit("/", 1)
         try:
             marker: commit.Marker | None = commit.verify(Storage.from_url(where), name, full=True)
         except TornCheckpointError:
@@ -310,7 +310,7 @@ class Harness:
         if open(outcome).read() != "finished":
             raise SystemExit(f"the uninterrupted reference run failed: {open(outcome).read()}")
         result = Result.from_path(f"{storage}/run")
-        self.reference_losses = [row["loss"] for row in _timeline(result.path)]
+        self.reference_losses = [row["loss"] for row in _timeline(result.url)]
         self.reference_weights = self.final_weights(result)
 
     @staticmethod

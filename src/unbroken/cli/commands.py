@@ -208,8 +208,23 @@ def _show_checkpoints(s: inspection.RunSummary) -> None:
     print("\ncheckpoints (file sizes checked; `unbroken verify` also checks hashes)")
     rows = [[c.name, _state(c), _or_dash(c.iteration), _or_dash(c.attempt), _or_dash(c.files),
              _size(c.bytes), _when(c.committed_at)] for c in s.checkpoints or []]
-    print(_table(["NAME", "STATE", "ITER", "ATTEMPT", "FILES", "SIZE", "COMMITTED"], rows, indent=2)
-          if rows else "  none")
+    validated = any(c.validation for c in s.checkpoints or [])
+    if validated:
+        for row, c in zip(rows, s.checkpoints or [], strict=True):
+            row.append(_validation(c))
+    print(_table(["NAME", "STATE", "ITER", "ATTEMPT", "FILES", "SIZE", "COMMITTED"]
+                 + (["VALIDATION"] if validated else []), rows, indent=2) if rows else "  none")
+
+
+def _validation(c: inspection.CheckpointState) -> str:
+    """A checkpoint's validation in a cell: its status, and what it returned or why it failed."""
+    if c.validation is None:
+        return "-"
+    if c.validation_metrics:
+        values = " ".join(f"{k}={format_value(v)}" for k, v in sorted(c.validation_metrics.items()))
+        return f"{c.validation} {values}"
+    lines = c.validation_error.strip().splitlines()
+    return f"{c.validation}: {lines[-1][:80]}" if lines else c.validation
 
 
 def _show_config(s: inspection.RunSummary) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from unbroken.errors import RunNotFoundError, TornCheckpointError, UnbrokenError
 from unbroken.run.restore import PARAMS_JSON
-from unbroken.store import commit, history
+from unbroken.store import commit, history, validation_record
 from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sweep
 from unbroken.store.lease import live_holder
@@ -47,6 +47,11 @@ class CheckpointState:
     bytes: int | None = None
     committed_at: float | None = None
     problems: list[str] = field(default_factory=list)
+    # Its validation: None (none asked for), PENDING_VALIDATION, VALIDATED, VALIDATION_FAILED or
+    # VALIDATION_TIMEOUT, with what it returned, or its error.
+    validation: str | None = None
+    validation_metrics: dict[str, Any] = field(default_factory=dict)
+    validation_error: str = ""
 
     @property
     def is_checkpoint(self) -> bool:
@@ -259,6 +264,11 @@ def _check(storage: Storage, name: str, marker: commit.Marker | TornCheckpointEr
     state = CheckpointState(name, COMMITTED, iteration=marker.iteration, attempt=marker.attempt,
                             files=len(marker.files), bytes=marker.total_bytes,
                             committed_at=marker.committed_at)
+    if marker.validation is not None:
+        record = validation_record.read(storage, name)
+        state.validation = validation_record.status(marker, record)
+        if record is not None:
+            state.validation_metrics, state.validation_error = record.metrics, record.error
     for f in marker.files:
         rel = f"{name}/{f.path}"
         try:

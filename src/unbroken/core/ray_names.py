@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from unbroken.errors import UnsupportedAPIError
 
-_NO_VALIDATION = ("unbroken runs no validation tasks. Hint: evaluate in the training function and "
-                  "report the result as a metric with the checkpoint")
-
 _HYPERBAND = ("synchronous HyperBand is not provided. Hint: use ASHAScheduler (asynchronous successive "
               "halving, HyperBand's early stopping without waiting for a rung to fill)")
 _PBT = ("population-based training is not provided: trials share no weights or hyperparameters. Hint: "
@@ -29,11 +26,6 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                       "sync. Hint: drop sync_config",
         "BackendConfig": "the only backend is torch.distributed. Hint: pass "
                          "unbroken.train.torch.TorchConfig(backend=..., timeout_s=...)",
-        "ValidationConfig": _NO_VALIDATION,
-        "ValidationFn": _NO_VALIDATION,
-        "ValidationTaskConfig": _NO_VALIDATION,
-        "ReportedCheckpointStatus": "every checkpoint get_all_reported_checkpoints returns is committed "
-                                    "(there is no validation). Hint: drop the status check",
         "get_preemption_info": "the driver, not the cloud, tells the workers about a preemption. Hint: "
                                "checkpoint at the report where train.get_context().should_checkpoint() "
                                "is true (TrainState does it by itself)",

@@ -32,6 +32,7 @@ from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
 from unbroken.execution.jit_coordinator import Coordinator, settle
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.report_rounds import ReportRounds
+from unbroken.execution.validations import ValidationRunner, Validations
 from unbroken.execution.worker_failures import first_line, give_up_error, root_cause, worker_exception
 from unbroken.run.handle import Run
 from unbroken.store import manifest as mf
@@ -49,6 +50,7 @@ from unbroken.worker.protocol import (
     Reply,
     Report,
     Staged,
+    Validated,
 )
 from unbroken.worker.runner import PROBE, WorkerPayload
 from unbroken.worker.session import WorkerInfo
@@ -59,6 +61,7 @@ POLL_S = 1.0
 # How long a failed group's incomplete round may take to complete (the other ranks are
 # finishing the step the failed rank already reported; see `rounds`).
 ROUND_GRACE_S = 10.0
+VALIDATION_POLL_S = 0.1  # how often a validation in flight is looked at (it has no fd to wait on)
 # How long an attempt runs before its group warms up for a restart (`WorkerGroup.warm_up`):
 # the start of an attempt keeps the machines to itself, and a failure before then restarts
 # cold, as it would without warm restarts.
@@ -76,7 +79,8 @@ class Controller:
     in tests); `failure_policy` decides which failures are retried (default: from run_config)."""
 
     def __init__(self, trainer: Any, run: Run, restore_hint: str, group_factory: WorkerGroupFactory,
-                 failure_policy: FailurePolicy | None = None) -> None:
+                 failure_policy: FailurePolicy | None = None,
+                 validation_runner: ValidationRunner | None = None) -> None:
         self.trainer = trainer
         self.group_factory = group_factory  # scaling -> a new WorkerGroup for each attempt
         self.run = run
@@ -92,6 +96,10 @@ class Controller:
         # a callback may hold something that cannot travel to a forkserver worker).
         self._worker_trainer = copy.copy(trainer)
         self._worker_trainer.run_config = dataclasses.replace(trainer.run_config, callbacks=None)
+        validation = getattr(trainer, "validation_config", None)
+        if validation is not None:
+            self._worker_trainer.validation_config = None  # runs in the driver's validations only
+        self._validations = Validations(run, validation, validation_runner)
         self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
         self._started = 0.0  # when the attempt's ranks were started
         self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
@@ -120,6 +128,7 @@ class Controller:
                     if self._attempt():
                         return
             finally:
+                self._validations.close()  # one still in flight runs again under the next driver
                 if self._warm is not None:
                     self._warm.shutdown(kill=True)  # what it kept warm, unless a later group took it
                 self._record(self.run.lease.release)  # also when an attempt could not even begin
@@ -152,6 +161,7 @@ class Controller:
         group.shutdown()
         if isinstance(self.state, states.Stopping) and self.state.stopped:
             self._interrupted()
+        self._validations.wait_all()  # the Result shows every checkpoint's validation ended
         self.run.end_attempt(mf.FINISHED)
         self.run.finish(mf.FINISHED)
         self._transition(states.Finished())
@@ -283,6 +293,7 @@ class Controller:
             checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
             cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
             node_address=placement.node_address, probe=probe, env=faults.carried_env(),
+            validates=self._validations.config is not None,
             **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
         info.env.update(self.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
         return WorkerPayload(info=info, trainer=self._worker_trainer)
@@ -318,6 +329,10 @@ class Controller:
                     timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
                 if hang_s is not None:
                     timeout = max(0.0, min(timeout, rounds.hang_left(now, hang_s)))
+                for name in self._validations.poll():
+                    self._tell_running(group, rounds, Validated(name))
+                if self._validations.busy:
+                    timeout = min(timeout, VALIDATION_POLL_S)
                 events = group.poll(timeout, wake=self.interrupts)
                 now = time.monotonic()
                 if events:
@@ -402,7 +417,9 @@ class Controller:
         name = round_name(iteration, {r: by_rank[r].name for r in staged.keys() | pending})  # of those saving
         row = self.run.record(iteration, by_rank[0].metrics, name if saved else None)
         metrics = [by_rank[r].metrics for r in sorted(by_rank)]
-        self._settle_checkpoint(group, rounds, PendingCommit(iteration, name, row, metrics, staged, pending))
+        validation = next((by_rank[r].validation for r in sorted(by_rank) if by_rank[r].validation), None)
+        self._settle_checkpoint(group, rounds, PendingCommit(iteration, name, row, metrics, staged, pending,
+                                                             validation=validation if saved else None))
         return row, saved
 
     def _settle_checkpoint(self, group: WorkerGroup, rounds: ReportRounds, commit: PendingCommit) -> None:
@@ -411,7 +428,7 @@ class Controller:
         now if their `Staged` came first. Every round goes through `_saves` (callbacks, in order)."""
         if commit.files and not commit.waiting:
             commit.marker = self.run.commit_checkpoint(commit.iteration, commit.per_rank_files(),
-                                                       commit.row, commit.name)
+                                                       commit.row, commit.name, commit.validation)
         ready = self._saves.round(commit)
         if ready is not None:
             self._commit_async(group, rounds, ready)
@@ -448,7 +465,8 @@ class Controller:
     def _commit_async(self, group: WorkerGroup, rounds: ReportRounds, save: PendingCommit) -> None:
         """Commit an asynchronous save whose files every rank made durable, and tell the ranks
         still running (`train.get_all_reported_checkpoints` waits for it)."""
-        marker = self.run.commit_checkpoint(save.iteration, save.per_rank_files(), save.row, save.name)
+        marker = self.run.commit_checkpoint(save.iteration, save.per_rank_files(), save.row, save.name,
+                                            save.validation)
         self._saves.committed(save, marker)
         self._tell_running(group, rounds, Committed(save.iteration, marker.name))
 

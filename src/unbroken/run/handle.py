@@ -18,6 +18,7 @@ from unbroken.store.history import History
 from unbroken.store.lease import Lease
 from unbroken.store.manifest import Attempt, RunManifest
 from unbroken.store.storage import Storage
+from unbroken.store.validation_record import ValidationRecord
 
 log = logging.getLogger("unbroken")
 
@@ -126,15 +127,27 @@ class Run:
         return row
 
     def commit_checkpoint(self, iteration: int, per_rank_files: list[list[FileEntry]],
-                          row: dict, name: str | None = None) -> Marker:
+                          row: dict, name: str | None = None,
+                          validation: dict[str, Any] | None = None) -> Marker:
         assert self.attempt is not None
         self.history.sync()
-        marker = self.checkpoints.commit(iteration, self.attempt.number, per_rank_files, row, name)
+        marker = self.checkpoints.commit(iteration, self.attempt.number, per_rank_files, row, name,
+                                         validation)
         self._sync_checkpoint_fields()
         self.save_manifest()
         self.lease.beat()
         self.callbacks.checkpoint(marker)
         return marker
+
+    def record_validation(self, name: str, record: ValidationRecord) -> None:
+        """Checkpoint `name`'s validation ended: store it, and the best checkpoints it changes."""
+        self.lease.beat()  # raises LeaseLostError, before anything is written, if the run is not ours
+        self.checkpoints.record_validation(name, record)
+        best = [m.name for m in self.checkpoints.best()]
+        if best != self.manifest.best_checkpoints or self.manifest.latest_checkpoint != (
+                self.checkpoints.latest.name if self.checkpoints.latest else None):
+            self._sync_checkpoint_fields()
+            self.save_manifest()
 
     def reported(self, metrics: list[dict[str, Any]], marker: Marker | None) -> None:
         """A report round is recorded and its checkpoint (if any) committed: `metrics` holds

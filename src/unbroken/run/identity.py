@@ -15,7 +15,7 @@ from unbroken.store.manifest import RunManifest, config_change_lines
 DATASETS = "datasets"
 # Arguments that may change between attempts; every other plain argument is the run's identity.
 MUTABLE = frozenset({"scaling_config", "run_config", "backend_config", "resume_from_checkpoint",
-                     "torch_config"})
+                     "torch_config", "validation_config"})
 
 
 def identity(trainer_class: type, init_args: dict[str, Any]) -> dict[str, Any]:

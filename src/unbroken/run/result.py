@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.errors import RunNotFoundError, TornCheckpointError, TrainingFailedError, UnknownMetricError
-from unbroken.store import commit, history, return_value
+from unbroken.store import commit, history, return_value, validation_record
 from unbroken.store import manifest as mf
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.storage import Storage
@@ -110,6 +110,10 @@ class Result:
             except TornCheckpointError:
                 continue
         fs = storage.filesystem
+        records = validation_record.read_all(storage, list(markers.values()))
+
+        def metrics(name: str) -> dict[str, Any]:
+            return validation_record.metrics(markers[name], records.get(name))
 
         def handle(name: str) -> Checkpoint:
             return Checkpoint(storage.url(name), fs)
@@ -124,11 +128,10 @@ class Result:
             checkpoint=handle(latest.name) if latest else None,
             error=error,
             path=storage.fs_path(),
-            best_checkpoints=[(handle(n), markers[n].metrics) for n in manifest.best_checkpoints
-                              if n in markers],
+            best_checkpoints=[(handle(n), metrics(n)) for n in manifest.best_checkpoints if n in markers],
             status=manifest.status,
             _filesystem=fs,
-            checkpoints=[(handle(n), m.metrics) for n, m in markers.items()],
+            checkpoints=[(handle(n), metrics(n)) for n in markers],
             _returned_in=manifest.attempt_count if manifest.status == mf.FINISHED else 0,
         )
 

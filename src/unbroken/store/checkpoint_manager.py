@@ -1,5 +1,6 @@
 """The checkpoint manager: which committed checkpoints a run has, which one to resume
-from, and which ones retention deletes. The commit protocol itself is in `commit`."""
+from, which ones retention deletes, and where their validations stand. The commit protocol
+itself is in `commit`; a validation's record in `validation_record`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 
 from unbroken.core.config import CheckpointConfig
 from unbroken.errors import CorruptRunError, TornCheckpointError
-from unbroken.store import commit
+from unbroken.store import commit, validation_record
 from unbroken.store.commit import FileEntry, Marker
 from unbroken.store.storage import Storage
+from unbroken.store.validation_record import ValidationRecord
 
 log = logging.getLogger("unbroken")
 
@@ -23,6 +25,7 @@ class CheckpointManager:
         self.storage = storage
         self.config = config
         self.committed: list[Marker] = []
+        self.validations: dict[str, ValidationRecord] = {}  # by checkpoint name, once ended
 
     def recover(self, full_verify: bool | None = None) -> Marker | None:
         """Find the newest checkpoint that verifies and return its marker.
@@ -59,6 +62,7 @@ class CheckpointManager:
                 self.committed.insert(0, commit.read_marker(self.storage, name))
             except TornCheckpointError as e:
                 self._set_aside(name, e)
+        self.validations = validation_record.read_all(self.storage, self.committed)
         return latest
 
     def _uncommitted_upload(self, name: str) -> bool:
@@ -75,6 +79,7 @@ class CheckpointManager:
         while self.storage.exists(f"{name}.corrupt-{n}"):
             n += 1
         aside = f"{name}.corrupt-{n}"
+        validation_record.remove(self.storage, name)  # the name may be committed again
         log.warning("checkpoint %s is torn or corrupted (%s); skipping it and resuming from the "
                     "previous one. It is kept as %s", self.storage.url(name), reason, aside)
         self.storage.rename(name, aside)
@@ -84,23 +89,48 @@ class CheckpointManager:
         return self.committed[-1] if self.committed else None
 
     def commit(self, iteration: int, attempt: int, per_rank_files: list[list[FileEntry]],
-               metrics: dict[str, Any], name: str | None = None) -> Marker:
+               metrics: dict[str, Any], name: str | None = None,
+               validation: dict[str, Any] | None = None) -> Marker:
         """Commit the checkpoint the ranks staged for `iteration` (as `name`, a custom
-        checkpoint_dir_name, which must be free), then apply retention."""
+        checkpoint_dir_name, which must be free), asking for `validation` if given, then
+        apply retention."""
         if name is not None and name != commit.checkpoint_name(iteration):
             commit.check_name_free(self.storage, name)
         marker = Marker(name=name or commit.checkpoint_name(iteration), iteration=iteration,
                         attempt=attempt, files=commit.merge_rank_files(per_rank_files), metrics=metrics,
-                        committed_at=time.time())
+                        committed_at=time.time(), validation=validation)
+        if validation is not None:
+            validation_record.remove(self.storage, marker.name)  # an earlier checkpoint's of that name
         commit.commit(self.storage, commit.staging_name(iteration, attempt, self.storage, name), marker)
         self.committed.append(marker)
         self.retain()
         return marker
 
+    def metrics(self, marker: Marker) -> dict[str, Any]:
+        """The checkpoint's metrics: its row, with what its validation returned over it."""
+        return validation_record.metrics(marker, self.validations.get(marker.name))
+
+    def status(self, marker: Marker) -> str:
+        """COMMITTED, PENDING_VALIDATION, VALIDATED, VALIDATION_FAILED or VALIDATION_TIMEOUT."""
+        return validation_record.status(marker, self.validations.get(marker.name))
+
+    def pending(self) -> list[Marker]:
+        """The committed checkpoints whose validation has not ended, oldest first."""
+        return [m for m in self.committed if self.status(m) == validation_record.PENDING_VALIDATION]
+
+    def record_validation(self, name: str, record: ValidationRecord) -> None:
+        """Store how checkpoint `name`'s validation ended, then apply retention (its metrics
+        may rank it differently now, and it may be deleted now that it is no longer pending)."""
+        if not any(m.name == name for m in self.committed):
+            return  # set aside as torn meanwhile
+        validation_record.write(self.storage, name, record)
+        self.validations[name] = record
+        self.retain()
+
     def _score(self, marker: Marker) -> float | None:
         attr = self.config.checkpoint_score_attribute
-        value = marker.metrics.get(attr) if attr else None
-        return float(value) if isinstance(value, (int, float)) else None
+        value = self.metrics(marker).get(attr) if attr else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def best(self) -> list[Marker]:
         """Committed checkpoints, best first by the score attribute (newest first without one)."""
@@ -111,12 +141,17 @@ class CheckpointManager:
         return sorted(scored, key=lambda m: (sign * self._score(m), m.iteration), reverse=True)
 
     def retain(self) -> None:
-        """Delete what `num_to_keep` no longer keeps (never the latest); also at an attempt's
-        start, so that a restore with a smaller num_to_keep makes room before its first commit."""
+        """Delete what `num_to_keep` no longer keeps (never the latest, never one whose
+        validation is pending); also at an attempt's start, so that a restore with a smaller
+        num_to_keep makes room before its first commit."""
         keep_n = self.config.num_to_keep
         if keep_n is None or len(self.committed) <= keep_n:
             return
         keep = {m.name for m in self.best()[:keep_n]} | {self.committed[-1].name}
+        keep |= {m.name for m in self.pending()}
         for marker in [m for m in self.committed if m.name not in keep]:
+            if marker.name in self.validations:  # first: a record must never outlive its checkpoint
+                validation_record.remove(self.storage, marker.name)
+                del self.validations[marker.name]
             commit.uncommit_and_delete(self.storage, marker.name)
             self.committed.remove(marker)

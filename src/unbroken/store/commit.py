@@ -57,9 +57,14 @@ class Marker:
     metrics: dict[str, Any] = field(default_factory=dict)
     committed_at: float = 0.0
     version: int = MARKER_VERSION
+    # The validation its report asked for ({"fn_kwargs", "timeout_s"}; see validation_record).
+    validation: dict[str, Any] | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, default=repr).encode()
+        raw = asdict(self)
+        if raw["validation"] is None:
+            del raw["validation"]  # a marker without one reads the same as before validation existed
+        return json.dumps(raw, sort_keys=True, default=repr).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Marker:

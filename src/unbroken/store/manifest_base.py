@@ -94,7 +94,7 @@ def versioned_fields(raw: Any, cls: type, schema: int, where: str, what: str) ->
 def remove_stale_temps(storage: Storage) -> None:
     """Remove the atomic-write temps a killed driver left in a run or sweep directory and its
     metadata directory. Call right after taking the lease, before writing anything."""
-    for where in ("", META_DIR):
+    for where in ("", META_DIR, f"{META_DIR}/validations"):
         storage.remove_stale_temps(where)
 
 

@@ -484,7 +484,7 @@ class Storage:
     def remove_stale_temps(self, rel: str = "") -> None:
         """Remove the temp files of atomic writes that another process left behind in `rel`
         (it was killed between writing and renaming). Only safe while holding the run's lease."""
-        if not self.is_local:
+        if not self.is_local or not os.path.isdir(self.path(rel)):
             return  # object stores replace files in one put: no temp files
         for name in self.listdir(rel):
             m = _ATOMIC_TEMP.search(name)

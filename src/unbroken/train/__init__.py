@@ -17,6 +17,12 @@ from typing import Any
 from unbroken.core import ray_names as _ray_names
 from unbroken.core.codec import is_dataset_builder
 from unbroken.core.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from unbroken.core.validation_config import (
+    ValidationConfig,
+    ValidationFn,
+    ValidationTaskConfig,
+    validation_request,
+)
 from unbroken.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from unbroken.observe.mlflow_logger import MLflowLoggerCallback
 from unbroken.observe.tensorboard_logger import TensorBoardLoggerCallback
@@ -41,7 +47,7 @@ __all__ = [
     "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "CheckpointConsistencyMode",
     "CheckpointUploadMode", "ControllerError", "DataParallelTrainer", "FailureConfig",
     "MLflowLoggerCallback", "ReportedCheckpoint", "ReportedCheckpointStatus", "Result", "RunConfig",
-    "RunInfo", "ScalingConfig",
+    "RunInfo", "ScalingConfig", "ValidationConfig", "ValidationFn", "ValidationTaskConfig",
     "StorageContext", "TensorBoardLoggerCallback", "TrainContext", "TrainingFailedError", "UserCallback",
     "WorkerGroupError",
     "collective", "get_all_reported_checkpoints", "get_checkpoint", "get_context", "get_dataset_shard",
@@ -60,7 +66,7 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
            checkpoint_dir_name: str | None = None,
            checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC,
            delete_local_checkpoint_after_upload: bool | None = None,
-           checkpoint_upload_fn: Any = None, validation: Any = False,
+           checkpoint_upload_fn: Any = None, validation: bool | ValidationTaskConfig = False,
            validate_fn: Any = None, validate_config: Any = None) -> None:
     """Record one iteration's metrics (rank 0's are kept), optionally with checkpoint files.
 
@@ -75,17 +81,28 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
     checkpoint report, unless it is to be deleted: then it is moved aside at once); neither
     waits for the commit; NO_UPLOAD is refused. `delete_local_checkpoint_after_upload`
     deletes the reported local directory once its files are staged (default: True for
-    ASYNC, False for SYNC). `checkpoint_upload_fn` and
-    validation (`validation`, `validate_fn`, `validate_config`) are refused with
-    UnsupportedOptionError, which says what to do instead.
+    ASYNC, False for SYNC). `validation` (True, or a ValidationTaskConfig whose `fn_kwargs`
+    override the trainer's): once the checkpoint commits, the trainer's
+    `ValidationConfig.fn` runs on it in its own process while training goes on, and what it
+    returns merges into the checkpoint's metrics (see docs/restore.md). `checkpoint_upload_fn`
+    and Ray's older `validate_fn` / `validate_config` are refused with UnsupportedOptionError,
+    which says what to do instead.
     """
     if checkpoint_dir_name is not None:
         check_custom_name(checkpoint_dir_name)
     delete_local = delete_after_upload(checkpoint_upload_mode, delete_local_checkpoint_after_upload,
-                                       checkpoint_upload_fn, validation, validate_fn, validate_config)
-    _session.current("train.report()").report(
-        metrics, checkpoint, checkpoint_dir_name, delete_local and checkpoint is not None,
-        asynchronous=checkpoint_upload_mode is CheckpointUploadMode.ASYNC)
+                                       checkpoint_upload_fn, validate_fn, validate_config)
+    request = validation_request(validation)
+    session = _session.current("train.report()")
+    if request is not None and checkpoint is None:
+        raise ValueError("train.report(validation=...) validates the checkpoint of that report, and "
+                         "this report has none. Hint: pass checkpoint=... with it, or drop validation")
+    if request is not None and not session.info.validates:
+        raise ValueError("train.report(validation=...) needs the trainer's ValidationConfig, and this "
+                         "trainer has none. Hint: pass validation_config=ValidationConfig(fn=...) "
+                         "to the trainer")
+    session.report(metrics, checkpoint, checkpoint_dir_name, delete_local and checkpoint is not None,
+                   asynchronous=checkpoint_upload_mode is CheckpointUploadMode.ASYNC, validation=request)
 
 
 def get_checkpoint() -> Checkpoint | None:
@@ -96,14 +113,16 @@ def get_checkpoint() -> Checkpoint | None:
 def get_all_reported_checkpoints(
         consistency_mode: CheckpointConsistencyMode = CheckpointConsistencyMode.VALIDATED,
         timeout_s: float | None = None) -> list[ReportedCheckpoint]:
-    """Every committed checkpoint of the run so far, oldest first, with its metric row (Ray
-    Train V2). Waits until the checkpoint of this rank's latest report is committed, which
-    the driver does without waiting for anything else (so `timeout_s` is accepted and
-    unused); both consistency modes mean committed, as unbroken has no validation. Includes
-    earlier attempts' checkpoints, and not the ones retention (`num_to_keep`) deleted."""
+    """Every committed checkpoint of the run so far, oldest first, with its metrics and
+    status (Ray Train V2). Waits until the checkpoint of this rank's latest report is
+    committed, and with VALIDATED (the default) also until every validation asked for so far
+    has ended. `timeout_s` is accepted and unused: bound a validation with
+    `ValidationTaskConfig(timeout_s=...)`. Includes earlier attempts' checkpoints, and not the
+    ones retention (`num_to_keep`) deleted."""
     if not isinstance(consistency_mode, CheckpointConsistencyMode):
         raise TypeError(f"consistency_mode must be a CheckpointConsistencyMode, got {consistency_mode!r}")
-    return _session.current("train.get_all_reported_checkpoints()").reported_checkpoints()
+    session = _session.current("train.get_all_reported_checkpoints()")
+    return session.reported_checkpoints(validated=consistency_mode is CheckpointConsistencyMode.VALIDATED)
 
 
 def get_context() -> TrainContext:

@@ -10,6 +10,7 @@ import torch  # (imported before the engine forks workers, so they inherit it)
 
 from unbroken.core import ray_names as _ray_names
 from unbroken.core.config import RunConfig, ScalingConfig
+from unbroken.core.validation_config import ValidationConfig
 from unbroken.execution.engine import local as _local
 from unbroken.state.reproducibility import enable_reproducibility
 from unbroken.store.checkpoint import Checkpoint
@@ -47,8 +48,9 @@ class TorchTrainer(DataParallelTrainer):
                  torch_config: TorchConfig | None = None,
                  scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
                  datasets: dict[str, Any] | None = None,
-                 resume_from_checkpoint: Checkpoint | None = None) -> None:
+                 resume_from_checkpoint: Checkpoint | None = None,
+                 validation_config: ValidationConfig | None = None) -> None:
         super().__init__(train_loop_per_worker, train_loop_config=train_loop_config,
                          scaling_config=scaling_config, run_config=run_config, datasets=datasets,
                          resume_from_checkpoint=resume_from_checkpoint,
-                         backend_config=torch_config or TorchConfig())
+                         backend_config=torch_config or TorchConfig(), validation_config=validation_config)

@@ -11,10 +11,12 @@ from typing import Any, TypeVar
 
 from unbroken.core.codec import bind_init_args, qualified_name
 from unbroken.core.config import RunConfig, ScalingConfig, generated_name
+from unbroken.core.validation_config import ValidationConfig
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.execution.controller import Controller
 from unbroken.execution.engine.factory import make_worker_group
 from unbroken.execution.failure_policy import FailurePolicy
+from unbroken.execution.validations import validation_runner
 from unbroken.observe.progress import ProgressReporter
 from unbroken.run import restore as rs
 from unbroken.run.callbacks import CallbackList
@@ -81,7 +83,8 @@ class BaseTrainer:
         hint = restore_hint(type(self), run.path)
         run.callbacks = callbacks.bind(run)
         Controller(self, run, hint, group_factory=make_worker_group,
-                   failure_policy=FailurePolicy(self.run_config.failure_config)).execute()
+                   failure_policy=FailurePolicy(self.run_config.failure_config),
+                   validation_runner=validation_runner(self.scaling_config)).execute()
         self._restore_overrides = frozenset()  # applied; a second fit() returns the stored result
         return Result.from_path(run.path, self.run_config.storage_filesystem)
 
@@ -137,7 +140,8 @@ class DataParallelTrainer(BaseTrainer):
                  train_loop_config: dict[str, Any] | None = None,
                  scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
                  datasets: dict[str, Any] | None = None,
-                 resume_from_checkpoint: Checkpoint | None = None, backend_config: Any = None) -> None:
+                 resume_from_checkpoint: Checkpoint | None = None, backend_config: Any = None,
+                 validation_config: ValidationConfig | None = None) -> None:
         if not callable(train_loop_per_worker):
             raise TypeError(f"train_loop_per_worker must be a function, got {train_loop_per_worker!r}")
         super().__init__(scaling_config=scaling_config, run_config=run_config, datasets=datasets,
@@ -145,6 +149,8 @@ class DataParallelTrainer(BaseTrainer):
         self.train_loop_per_worker = train_loop_per_worker
         self.train_loop_config = train_loop_config
         self.backend_config = backend_config
+        # Validates the checkpoints a report asks for (`train.report(..., validation=True)`).
+        self.validation_config = _check_type("validation_config", validation_config, ValidationConfig)
 
     def training_loop(self) -> None:
         value = self._call_train_loop()

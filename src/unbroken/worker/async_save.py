@@ -122,6 +122,7 @@ class PendingCommit:
     waiting: set[int] = field(default_factory=set)                   # ranks whose Staged is due
     marker: Marker | None = None    # once committed
     settled: bool = False           # committed, or never will be in this attempt
+    validation: dict[str, Any] | None = None  # the validation the round's report asks for
 
     def per_rank_files(self) -> list[list[FileEntry]]:
         return [self.files[r] for r in sorted(self.files)]

@@ -4,7 +4,8 @@ Small records (treat them as immutable), the same on every engine. A worker send
 `Report`s, rank 0 one `Rendezvous` during set-up, a `Staged` when the files of an
 asynchronous save are durable, and ends with `Done` or `Failed`; the driver answers every
 complete round with a `Reply`, forwards rank 0's `Rendezvous` to the other ranks, and says
-`Committed` when an asynchronous save is committed (see `async_save`). With just-in-time
+`Committed` when an asynchronous save is committed (see `async_save`) and `Validated` when
+a checkpoint's validation is recorded (see `validations`). With just-in-time
 checkpoints a rank says `JitArmed` once, a failing rank sends `JitOffer` before its `Failed`
 and waits for the driver's `JitSave`, and the chosen rank answers with `JitSaved` (see
 `jit_checkpoint`). A collective call with no process group under it (`train.collective`)
@@ -26,13 +27,15 @@ from unbroken.store.commit import FileEntry
 class Report:
     """A rank's report N: its metrics, the files it staged for checkpoint N (if any), and
     the checkpoint directory name it gave with them (None: the default name). `pending`: this
-    rank's files for checkpoint N are being written in the background; a `Staged` follows."""
+    rank's files for checkpoint N are being written in the background; a `Staged` follows.
+    `validation`: the validation it asks for on checkpoint N (see `validation_config`)."""
 
     iteration: int
     metrics: dict[str, Any]
     files: list[FileEntry] | None = None
     name: str | None = None
     pending: bool = False
+    validation: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +86,13 @@ class Committed:
     """The driver committed the asynchronous checkpoint of report `iteration`, as `name`."""
 
     iteration: int
+    name: str
+
+
+@dataclass(slots=True)
+class Validated:
+    """The validation of checkpoint `name` ended and is recorded (see `validation_record`)."""
+
     name: str
 
 
@@ -173,7 +183,7 @@ TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
 # -- on the wire --------------------------------------------------------------------------------
 _KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
                             TrialFailed, Staged, Committed, JitArmed, JitOffer, JitSave, JitSaved, Gather,
-                            Gathered)
+                            Gathered, Validated)
 _TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
 
 

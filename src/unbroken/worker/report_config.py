@@ -38,18 +38,18 @@ class CheckpointUploadMode(enum.Enum):
 
 
 class CheckpointConsistencyMode(enum.Enum):
-    """What `get_all_reported_checkpoints` waits for (Ray Train V2). unbroken has no
-    checkpoint validation, so both wait until the checkpoint of this rank's latest report is
-    committed (or known not to exist)."""
+    """What `get_all_reported_checkpoints` waits for (Ray Train V2): COMMITTED, until the
+    checkpoint of this rank's latest report is committed (or known not to exist); VALIDATED,
+    also until every validation asked for so far has ended."""
 
     COMMITTED = "COMMITTED"
     VALIDATED = "VALIDATED"
 
 
 class ReportedCheckpointStatus(enum.Enum):
-    """Where a reported checkpoint stands (Ray Train V2). unbroken runs no validation, so a
-    checkpoint that `get_all_reported_checkpoints` returns is always COMMITTED; the other
-    values exist so that V2 scripts comparing against them run."""
+    """Where a reported checkpoint stands (Ray Train V2): COMMITTED (no validation asked
+    for), PENDING_VALIDATION, VALIDATED (its metrics include what the validation returned),
+    VALIDATION_FAILED (the function raised; see `unbroken show`), VALIDATION_TIMEOUT."""
 
     COMMITTED = "COMMITTED"
     PENDING_VALIDATION = "PENDING_VALIDATION"
@@ -61,14 +61,15 @@ class ReportedCheckpointStatus(enum.Enum):
 @dataclass(frozen=True)
 class ReportedCheckpoint:
     """A committed checkpoint of the run and the metric row of the report that carried it
-    (rank 0's metrics plus `training_iteration`, `attempt`, ... as in `Result.best_checkpoints`)."""
+    (rank 0's metrics plus `training_iteration`, `attempt`, ... as in `Result.best_checkpoints`),
+    with what its validation returned over it once VALIDATED."""
 
     checkpoint: Checkpoint
     metrics: dict[str, Any]
     status: ReportedCheckpointStatus = ReportedCheckpointStatus.COMMITTED
 
 
-def delete_after_upload(mode: Any, delete_local: bool | None, upload_fn: Any, validation: Any,
+def delete_after_upload(mode: Any, delete_local: bool | None, upload_fn: Any,
                         validate_fn: Any, validate_config: Any) -> bool:
     """Check `train.report`'s V2 options; returns whether to delete the local checkpoint
     directory once its files are staged. UnsupportedOptionError for what unbroken cannot do."""
@@ -87,11 +88,11 @@ def delete_after_upload(mode: Any, delete_local: bool | None, upload_fn: Any, va
             "files itself and writes the commit marker last, which a custom upload would bypass. "
             "Hint: drop checkpoint_upload_fn; RunConfig(storage_path='s3://...') uploads to any "
             "fsspec storage")
-    if validation or validate_fn is not None or validate_config is not None:
+    if validate_fn is not None or validate_config is not None:
         raise UnsupportedOptionError(
-            "train.report(validation=... / validate_fn=...) is not supported: unbroken runs no "
-            "validation tasks. Hint: evaluate in the training function and report the result as a "
-            "metric, e.g. train.report({'loss': loss, 'val_loss': evaluate(model)}, checkpoint=...)")
+            "train.report(validate_fn=... / validate_config=...) is an older Ray spelling that Ray "
+            "2.60 no longer takes. Hint: pass validation_config=ValidationConfig(fn=...) to the "
+            "trainer and train.report(..., validation=True) (or a ValidationTaskConfig)")
     if delete_local is None:
         return mode.default_delete_local_checkpoint_after_upload()
     return bool(delete_local)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from unbroken.core import faults
 from unbroken.core.codec import is_dataset_builder
 from unbroken.errors import TornCheckpointError
-from unbroken.store import return_value
+from unbroken.store import return_value, validation_record
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import (
     check_name_free,
@@ -36,8 +36,8 @@ from unbroken.store.commit import (
 from unbroken.store.history import check_json_metrics
 from unbroken.store.storage import Storage, split_run_url
 from unbroken.worker.async_save import BackgroundSave, stage_job
-from unbroken.worker.protocol import Committed, Gather, Gathered, Reply, Report
-from unbroken.worker.report_config import ReportedCheckpoint
+from unbroken.worker.protocol import Committed, Gather, Gathered, Reply, Report, Validated
+from unbroken.worker.report_config import ReportedCheckpoint, ReportedCheckpointStatus
 
 if TYPE_CHECKING:
     from unbroken.worker.channel import Channel
@@ -84,6 +84,7 @@ class WorkerInfo:
     node_id: str = ""                 # the engine's name for this rank's machine
     node_address: str = "127.0.0.1"   # where the other ranks reach this rank's machine
     probe: str | None = None          # the token the driver wrote for `engine.worker` to check
+    validates: bool = False           # the trainer has a ValidationConfig: validations get done
 
 
 class TrainContext:
@@ -185,6 +186,7 @@ class Session:
         self._async_names: set[str] = set()  # the names this rank gave its asynchronous saves
         self._latest = info.checkpoint  # the run's latest committed checkpoint, as far as this rank knows
         self._collective_calls = 0  # the `gather`s made so far in this attempt
+        self._validated: set[str] = set()  # checkpoints whose validation the driver said ended
 
     def send(self, message: Any) -> None:
         with self._send_lock:
@@ -212,6 +214,8 @@ class Session:
                 return message
             if isinstance(message, Committed):
                 self._note_committed(message)
+            elif isinstance(message, Validated):
+                self._validated.add(message.name)
             elif isinstance(message, Reply) and self._awaiting_reply:
                 self._took(message)
             else:
@@ -251,12 +255,14 @@ class Session:
         return self._reply.checkpoint
 
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
-               name: str | None = None, delete_local: bool = False, asynchronous: bool = False) -> None:
+               name: str | None = None, delete_local: bool = False, asynchronous: bool = False,
+               validation: dict[str, Any] | None = None) -> None:
         """Send this rank's report; with `checkpoint`, stage its files first (under the
         checkpoint directory `name` when given, checked by `commit.check_custom_name`) and
         then, with `delete_local`, delete the local directory. `asynchronous`: stage them in
         the background instead (the directory must stay as it is until then, unless
-        `delete_local`: then it is moved aside at once and deleted once staged)."""
+        `delete_local`: then it is moved aside at once and deleted once staged).
+        `validation`: the validation request for the checkpoint (`validation_request`)."""
         check_json_metrics(metrics)
         self._take_reply()  # from here on, every earlier report's synchronous checkpoint is committed
         self.saver.check()
@@ -266,7 +272,8 @@ class Session:
             self._check_local(checkpoint)
             directory = _move_aside(checkpoint.path, iteration) if delete_local else checkpoint.path
             job = self._background_job(iteration, name, lambda: (directory, delete_local))
-            self._send_report(Report(iteration, metrics, None, name, pending=True), job)
+            report = Report(iteration, metrics, None, name, pending=True, validation=validation)
+            self._send_report(report, job)
             return
         if checkpoint is not None:
             self._check_local(checkpoint)
@@ -278,7 +285,8 @@ class Session:
                                      guard=self.check_attempt)
             if delete_local:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
-        self._send_report(Report(iteration, metrics, files, name if files is not None else None))
+        self._send_report(Report(iteration, metrics, files, name if files is not None else None,
+                                 validation=validation if files is not None else None))
 
     def report_async(self, metrics: dict[str, Any], produce: Callable[[], tuple[str, bool]]) -> None:
         """Report with a checkpoint that is written in the background: `produce()`, called in
@@ -363,24 +371,31 @@ class Session:
             pass  # the next report raises it again: the stop is kept in the reply taken
         return self._latest
 
-    def reported_checkpoints(self) -> list[ReportedCheckpoint]:
+    def reported_checkpoints(self, validated: bool = False) -> list[ReportedCheckpoint]:
         """The run's committed checkpoints, oldest first, once the checkpoint of this rank's
         latest report is committed (the driver's reply to it says so, or its `Committed` for an
-        asynchronous save)."""
+        asynchronous save); with `validated`, also once every validation asked for so far has
+        ended (when the trainer validates at all)."""
         self._take_reply()
         self.saver.wait()
         while self._committed_async < self._saved_async:
             self._note_committed(self._recv(Committed))
         storage = self.info.storage
-        out = []
+        markers = []
         for name in scan(storage)[0]:
             try:
-                marker = read_marker(storage, name)
+                markers.append(read_marker(storage, name))
             except TornCheckpointError:
                 continue
-            out.append(ReportedCheckpoint(Checkpoint(storage.url(name), storage.filesystem_arg),
-                                          marker.metrics))
-        return out
+        records = validation_record.read_all(storage, markers)
+        waiting = {m.name for m in markers if m.validation is not None and m.name not in records}
+        while validated and self.info.validates and waiting - self._validated:
+            self._validated.add(self._recv(Validated).name)
+        records.update(validation_record.read_all(storage, [m for m in markers if m.name in waiting]))
+        return [ReportedCheckpoint(Checkpoint(storage.url(m.name), storage.filesystem_arg),
+                                   validation_record.metrics(m, records.get(m.name)),
+                                   ReportedCheckpointStatus(validation_record.status(m, records.get(m.name))))
+                for m in markers]
 
     def save_return_value(self, value: Any) -> None:
         """Keep what rank 0's training function returned, for `Result.return_value`."""

@@ -70,3 +70,4 @@ def make_worker_group(scaling: ScalingConfig, warm=None):
     from unbroken.execution.engine.local import LocalWorkerGroup
 
     return LocalWorkerGroup(scaling.num_workers, scaling.cpus_per_worker(), warm is not None)
+
