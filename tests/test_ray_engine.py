@@ -419,3 +419,20 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, t
     assert placements_of(str(tmp_path), 1)[0]["node_id"] in workers  # trials' ranks ran as actors
     assert all(final_weights(r) for r in grid)
     assert tune.Tuner.restore(os.path.join(storage, "sweep"), base).fit().num_terminated == 3
+
+
+def test_a_validation_is_a_ray_task_with_the_given_options(cluster, storage):
+    """ValidationConfig.ray_remote_kwargs place the validation task: here on node_b only."""
+    from unbroken.train import DataParallelTrainer, ValidationConfig, ValidationTaskConfig
+    from validation_loops import validate_where, validation_loop
+
+    options = {"num_cpus": 0, "resources": {"node_b": 0.1}}  # the workers hold the nodes' CPUs
+    validation = ValidationConfig(validate_where, ray_remote_kwargs=options,
+                                  task_config=ValidationTaskConfig(fn_kwargs={"marker_env": OTHER_ROOT}))
+    config = {"iterations": 2, "asks": {"2": "yes"}}
+    result = DataParallelTrainer(validation_loop, train_loop_config=config, validation_config=validation,
+                                 scaling_config=ScalingConfig(num_workers=2, engine="ray"),
+                                 run_config=RunConfig(name="validated", storage_path=storage)).fit()
+    assert [status for _, status, _, _ in result.return_value] == ["COMMITTED", "VALIDATED"]
+    validated = result.best_checkpoints[0][1]
+    assert validated["val"] == 2 and validated["ran_there"] is True

@@ -52,3 +52,8 @@ def validate(checkpoint, scale=1, fail_at=None, block_at=None):
     if value == block_at and os.environ.get("UNBROKEN_TEST_BLOCK"):
         open(os.environ["UNBROKEN_TEST_BLOCK"]).read()  # blocks: nobody opens the FIFO to write
     return {"val": value * scale, "loss": -value}
+
+
+def validate_where(checkpoint, marker_env=""):
+    """`validate`, and whether it ran where the environment variable `marker_env` is set."""
+    return {**validate(checkpoint), "ran_there": marker_env in os.environ}

@@ -32,7 +32,11 @@ Invariants checked at every launch and at the end of each trial:
   - no leftovers (staging, half-deleted, quarantined dirs, atomic-write temps) at the end;
   - the metric timeline has each iteration exactly once, and its losses equal the
     uninterrupted run's, bit for bit;
-  - the final model equals the uninterrupted run's, bit for bit.
+  - the final model equals the uninterrupted run's, bit for bit;
+  - every checkpoint asks for a validation (but with --jit), which runs in the background
+    while the run trains and the kills strike: at the end each kept checkpoint has one
+    record, VALIDATED on its own intact files (or failed because a kill-worker launch killed
+    that validation process), and retention never deleted one still pending.
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
         [--jit] [--strike] [--max-kills N]
@@ -65,7 +69,7 @@ import torch._dynamo  # noqa: F401  (DDP imports it; forked drivers and workers 
 
 from unbroken import train
 from unbroken.errors import TornCheckpointError, TrainingFailedError
-from unbroken.store import commit
+from unbroken.store import commit, validation_record
 from unbroken.store.history import RESULT_JSON, read_rows, timeline
 from unbroken.store.storage import Storage
 from unbroken.train import (
@@ -76,6 +80,7 @@ from unbroken.train import (
     Result,
     RunConfig,
     ScalingConfig,
+    ValidationConfig,
 )
 from unbroken.train.torch import TorchTrainer, prepare_model
 
@@ -150,7 +155,18 @@ def crash_loop(config: dict) -> None:
                 with open(os.path.join(d, "meta.json"), "w") as f:
                     json.dump({"iteration": it, "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}, f)
             train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d),
-                         checkpoint_upload_mode=UPLOAD_MODE[config.get("async", False)])
+                         checkpoint_upload_mode=UPLOAD_MODE[config.get("async", False)],
+                         validation=bool(config.get("validate")))
+
+
+def validate_checkpoint(checkpoint: Checkpoint) -> dict:
+    """The harness's checkpoint validation: which iteration the checkpoint holds and whether
+    its files are intact (what check_finished compares with the checkpoint's marker)."""
+    with checkpoint.as_directory() as d:
+        blob = open(os.path.join(d, "state.pt"), "rb").read()
+        meta = json.load(open(os.path.join(d, "meta.json")))
+    intact = hashlib.sha256(blob).hexdigest() == meta["sha256"]
+    return {"val_iteration": meta["iteration"], "val_intact": intact}
 
 
 def jit_loop(config: dict) -> None:
@@ -198,9 +214,12 @@ def jit_loop(config: dict) -> None:
 
 
 def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
-    config = {"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log, "async": ASYNC_SAVES[0]}
+    validate = not JIT[0]  # every checkpoint of the crash loop is validated in the background
+    config = {"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log, "async": ASYNC_SAVES[0],
+              "validate": validate}
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
+        validation_config=ValidationConfig(validate_checkpoint) if validate else None,
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
@@ -546,7 +565,28 @@ class Harness:
             self.violations.append(f"{where}: final weights differ from the uninterrupted run")
         if (read_manifest(path) or {}).get("status") != "FINISHED":
             self.violations.append(f"{where}: run.json does not say FINISHED")
+        if not JIT[0]:
+            self.check_validations(path, where)
         Storage.from_url(path.rsplit("/", 1)[0]).remove("")
+
+
+    def check_validations(self, path: str, where: str) -> None:
+        """Every kept checkpoint of a finished run was validated, on its own intact files (or its
+        validation process was among the processes a kill-worker launch killed), and recorded."""
+        storage = Storage.from_url(path)
+        for name in commit.scan(storage)[0]:
+            marker = commit.read_marker(storage, name)
+            record = validation_record.read(storage, name)
+            if marker.validation is None or record is None:
+                self.violations.append(f"{where}: {name} has no validation record ({marker.validation})")
+            elif record.status == validation_record.VALIDATED:
+                self.counts["validations recorded"] += 1
+                if record.metrics != {"val_iteration": marker.iteration, "val_intact": True}:
+                    self.violations.append(f"{where}: {name} validated as {record.metrics}")
+            elif "validation process died" in record.error:
+                self.counts["validations killed"] += 1
+            else:
+                self.violations.append(f"{where}: {name}'s validation is {record.status}: {record.error}")
 
 
 def _timeline(path: str) -> list[dict]:

@@ -3,6 +3,8 @@ as its options, so it runs where the cluster has room for it."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import cloudpickle
@@ -12,7 +14,10 @@ from unbroken.execution.validation_process import checked_metrics
 from unbroken.store.checkpoint import Checkpoint
 
 
-def _run(fn_blob: bytes, checkpoint: Checkpoint, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _run(fn_blob: bytes, checkpoint: Checkpoint, kwargs: dict[str, Any], sys_path: list[str]) -> dict:
+    # The driver's import path, as the worker actors get it: a function saved by reference
+    # (from the driver's own modules) imports on the node as it did on the driver.
+    sys.path.extend(p for p in sys_path if p not in sys.path and os.path.isdir(p))
     return checked_metrics(cloudpickle.loads(fn_blob)(checkpoint, **kwargs))
 
 
@@ -24,7 +29,7 @@ class RayValidation:
 
         self._ray = ray
         task = ray.remote(_run).options(**{"num_cpus": 1, **(config.ray_remote_kwargs or {})})
-        self._ref = task.remote(cloudpickle.dumps(config.fn), checkpoint, kwargs)
+        self._ref = task.remote(cloudpickle.dumps(config.fn), checkpoint, kwargs, list(sys.path))
         self._result: tuple[dict[str, Any] | None, str] | None = None
 
     def wait(self, timeout: float) -> bool:
