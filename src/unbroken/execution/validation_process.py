@@ -24,7 +24,7 @@ def checked_metrics(value: Any) -> dict[str, Any]:
     return value
 
 
-def _validate(payload: Carried, conn: Any, parent_pid: int) -> None:
+def _validate(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     ignore_terminal_signals()
     die_with_parent(parent_pid)
     fn, checkpoint, kwargs = payload.obj
@@ -40,10 +40,12 @@ class ProcessValidation:
     """One validation in a local process."""
 
     def __init__(self, config: ValidationConfig, checkpoint: Checkpoint, kwargs: dict[str, Any]) -> None:
-        ctx = multiprocessing.get_context(start_method())
+        method = start_method()
+        ctx = multiprocessing.get_context(method)
         self._conn, child = ctx.Pipe(duplex=False)
+        parent = os.getpid() if method == "fork" else None  # a forkserver's child has the server as parent
         self._process = ctx.Process(target=_validate, name="unbroken-validation", daemon=True,
-                                    args=(Carried((config.fn, checkpoint, kwargs)), child, os.getpid()))
+                                    args=(Carried((config.fn, checkpoint, kwargs)), child, parent))
         self._process.start()
         child.close()
         self._result: tuple[dict[str, Any] | None, str] | None = None
