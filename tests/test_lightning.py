@@ -131,7 +131,7 @@ def test_stop_retention_and_a_sweep_over_a_lightning_trainer(storage):
         kept = {int(n.rsplit("_", 1)[1]) for n in os.listdir(result.path) if n.startswith("checkpoint_")}
         assert kept == best_two | {4}, "the two best by val_loss, and the latest"
         assert [m["val_loss"] for _, m in result.best_checkpoints] == sorted(df["val_loss"][df[
-            "training_iteration"].isin(kept)])
+            "training_iteration"].isin(kept)], reverse=True), "Ray's order: the best (lowest) last"
     best = grid.get_best_result()
     assert best.metrics["val_loss"] == min(r.metrics["val_loss"] for r in grid)
     assert {r.config["train_loop_config"]["lr"] for r in grid} == {0.01, 0.03}

@@ -21,7 +21,9 @@ ray = pytest.importorskip("ray")
 from conftest import run_script, s3_env, start_script  # noqa: E402
 from test_ray_engine import NODE, marker_fifo, placements_of, read_marker, wait_ended  # noqa: E402
 
-pytestmark = pytest.mark.ray
+# Its own 3-node cluster costs about 35 s: a soak; the default run checks frozen ranks locally
+# (test_preemption's hung-rank tests).
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
           "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import attempts, run_json, run_script, start_script, statuses, sweep_json
 from tune_loops import ACTIVE_ENV, BLOCK_ENV, asha_loop, max_running, must_not_run, tune_loop, write_config
-from unbroken import tune
+from unbroken import cli, tune
+from unbroken.cli import inspection
 from unbroken.errors import (
     LeaseHeldError,
     NotASweepError,
@@ -86,6 +87,7 @@ DRIVER8 = """
 import logging, sys
 from tune_loops import tune_loop
 from unbroken import tune
+from unbroken.cli import inspection
 from unbroken.train import RunConfig
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 space = {"x": tune.grid_search([1, 2, 3, 4]), "y": tune.uniform(0, 1), "iterations": 4, "fail_x": 2,
@@ -101,6 +103,7 @@ RESTORE = """
 import logging, sys
 from tune_loops import tune_loop
 from unbroken import tune
+from unbroken.cli import inspection
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 assert tune.Tuner.can_restore(sys.argv[1])
 grid = tune.Tuner.restore(sys.argv[1], tune_loop).fit()
@@ -260,7 +263,7 @@ def test_errored_trials_are_skipped_resumed_or_restarted_on_restore(storage, tmp
 
 # -- the sweep driver killed with SIGKILL, restored twice ----------------------------------------------
 
-def test_sweep_driver_sigkill_twice_ends_like_an_uninterrupted_sweep(storage, tmp_path):
+def test_sweep_driver_sigkill_twice_ends_like_an_uninterrupted_sweep(storage, tmp_path, capsys):
     block, active = str(tmp_path / "block"), str(tmp_path / "active")
     env = {BLOCK_ENV: block, ACTIVE_ENV: active}
     path = os.path.join(storage, "sweep8")
@@ -276,6 +279,18 @@ def test_sweep_driver_sigkill_twice_ends_like_an_uninterrupted_sweep(storage, tm
     assert at_kill["trial_00002"] == at_kill["trial_00003"] == "RUNNING"
     assert {at_kill[f"trial_0000{i}"] for i in range(4, 8)} == {"PENDING"}
     assert Tuner.can_restore(path)
+    # `unbroken ls` tells it as it is: the driver is gone, so the sweep and its running trials
+    # were aborted (sweep.json still says RUNNING).
+    [listed] = [r for r in inspection.list_runs(storage) if r.kind == "sweep"]
+    assert listed.status == "ABORTED" and listed.recorded_status == "RUNNING"
+    assert "RUNNING" not in listed.trials and listed.trials["ABORTED"] == 2 and listed.trials["PENDING"] == 4
+    # `unbroken show <sweep>` shows the sweep (it said "no run here" before).
+    assert cli.main(["show", path]) == 0
+    shown = capsys.readouterr().out
+    assert "ABORTED (sweep.json says RUNNING" in shown and "\nbest trial  trial_0000" in shown
+    assert [line.split()[:2] for line in shown.splitlines() if line.startswith("  trial_0000")] == [
+        ["trial_00000", "TERMINATED"], ["trial_00001", "ERROR"], ["trial_00002", "ABORTED"],
+        ["trial_00003", "ABORTED"]] + [[f"trial_0000{i}", "PENDING"] for i in range(4, 8)]
 
     # Driver 2 (Tuner.restore): trials 2 and 3 resume, 4 and 5 run, 6 and 7 block; killed again.
     for name in ("trial_00002", "trial_00003"):
@@ -319,6 +334,7 @@ SIGNALLED = """
 import logging, sys
 from tune_loops import tune_loop
 from unbroken import tune
+from unbroken.cli import inspection
 from unbroken.errors import TrainingInterruptedError
 from unbroken.train import RunConfig
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
@@ -485,6 +501,7 @@ ASHA_DRIVER = """
 import logging, sys
 from tune_loops import asha_loop
 from unbroken import tune
+from unbroken.cli import inspection
 from unbroken.train import RunConfig
 from unbroken.tune.schedulers import ASHAScheduler
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
@@ -530,6 +547,7 @@ OPTUNA_DRIVER = """
 import logging, sys
 from tune_loops import tune_loop
 from unbroken import tune
+from unbroken.cli import inspection
 from unbroken.train import RunConfig
 from unbroken.tune.search import OptunaSearch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
@@ -620,6 +638,7 @@ def test_optuna_errored_trial_rerun_is_told_as_a_new_study_trial(storage, tmp_pa
 UNCLEAN = """
 import sys, torch
 from unbroken import tune
+from unbroken.cli import inspection
 from unbroken.execution.engine.local import start_method
 from unbroken.train import RunConfig
 torch.manual_seed(0)

@@ -42,9 +42,9 @@ def test_validated_metrics_merge_into_the_checkpoints_and_rank_them(storage, cap
     # Retention ranks by the validated score: the two best "val" are kept (3, then 4 at 8).
     kept = sorted(n for n in os.listdir(result.path) if n.startswith("checkpoint_"))
     assert kept == ["checkpoint_000003", "checkpoint_000004"]
-    assert [c.path.rsplit("/", 1)[1] for c, _ in result.best_checkpoints] == ["checkpoint_000003",
-                                                                              "checkpoint_000004"]
-    assert result.best_checkpoints[0][1]["val"] == 300
+    assert [c.path.rsplit("/", 1)[1] for c, _ in result.best_checkpoints] == ["checkpoint_000004",
+                                                                              "checkpoint_000003"]
+    assert result.best_checkpoints[-1][1]["val"] == 300
     assert result.get_best_checkpoint("val", "max").path.endswith("checkpoint_000003")
     assert result.metrics["loss"] == 0.25, "the metric history keeps what was reported"
     cli.main(["show", result.url])
@@ -87,7 +87,7 @@ def test_committed_mode_does_not_wait_and_a_report_without_a_checkpoint_cannot_a
     # The loop did not wait for the validation that blocks; fit() did, until its timeout.
     seen = {name: status for name, status, _, _ in result.return_value}
     assert seen == {"checkpoint_000001": "COMMITTED", "checkpoint_000002": "PENDING_VALIDATION"}
-    assert Result.from_path(result.path).best_checkpoints[0][1]["loss"] == 0.5  # not validated: as reported
+    assert Result.from_path(result.path).best_checkpoints[-1][1]["loss"] == 0.5  # not validated: as reported
 
 
 DRIVER = """

@@ -24,7 +24,9 @@ import time
 from typing import Any
 
 from unbroken import __version__
-from unbroken.cli import inspection
+from unbroken.cli import inspection, sweep_view
+from unbroken.cli.tables import table as _table
+from unbroken.cli.tables import when as _when
 from unbroken.core.units import format_bytes
 from unbroken.errors import (
     LeaseHeldError,
@@ -36,7 +38,7 @@ from unbroken.errors import (
 )
 from unbroken.observe.progress import format_value, is_terminal
 from unbroken.run.callbacks import numeric_metrics
-from unbroken.store import history
+from unbroken.store import history, sweep_manifest
 from unbroken.store import manifest as mf
 from unbroken.store.storage import Storage
 
@@ -154,6 +156,10 @@ def _sweep_counts(counts: dict[str, int] | None) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if sweep_manifest.is_sweep_dir(Storage.from_url(args.path)):
+        summary = sweep_view.sweep_summary(args.path)
+        _print_json(summary) if args.json else sweep_view.print_sweep(summary)
+        return EXIT_OK
     s = inspection.summarize(args.path)
     if args.json:
         _print_json(s.to_json())
@@ -409,18 +415,6 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
-
-
-def _table(headers: list[str] | None, rows: list[list[Any]], indent: int = 0) -> str:
-    """Left-aligned columns, two spaces apart; the last column is never padded."""
-    cells = [[str(c) for c in row] for row in ([headers] if headers else []) + rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]) - 1)]
-    return "\n".join(" " * indent + "".join(c.ljust(w + 2) for c, w in zip(row, widths, strict=False))
-                     + row[-1] for row in cells)
-
-
-def _when(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def _size(n: int | None) -> str:

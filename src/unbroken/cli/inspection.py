@@ -153,9 +153,17 @@ def _sweep_summary(storage: Storage, storage_filesystem: Any) -> RunSummary:
     except (UnbrokenError, OSError, ValueError) as e:
         return RunSummary(name=run_name(storage), path=storage.url(), status="UNREADABLE", problem=str(e),
                           kind="sweep")
-    return RunSummary(name=info["name"], path=info["path"], status=info["status"],
+    status, counts = info["status"], dict(info["counts"])
+    if status == mf.RUNNING and live_holder(storage) is None:
+        # Its driver is gone: as for a run, RUNNING is what it was doing when it died, and so
+        # were its RUNNING trials (their processes die with it).
+        status = mf.ABORTED
+        aborted = counts.pop(mf.RUNNING, 0)
+        if aborted:
+            counts[mf.ABORTED] = counts.get(mf.ABORTED, 0) + aborted
+    return RunSummary(name=info["name"], path=info["path"], status=status,
                       recorded_status=info["status"], updated_at=info["updated_at"], kind="sweep",
-                      trials=info["counts"])
+                      trials=counts)
 
 
 def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) -> RunSummary:

@@ -9,6 +9,8 @@ import os
 import traceback
 from typing import Any
 
+import cloudpickle
+
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.core.validation_config import ValidationConfig
 from unbroken.execution.engine.local import start_method
@@ -28,6 +30,10 @@ def _validate(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     ignore_terminal_signals()
     die_with_parent(parent_pid)
     fn, checkpoint, kwargs = payload.obj
+    if not checkpoint.is_local:
+        # An async filesystem (s3fs) inherited through fork is tied to the driver's event loop;
+        # a pickle round trip gives this process its own instance (as workers do).
+        checkpoint = cloudpickle.loads(cloudpickle.dumps(checkpoint))
     try:
         conn.send((checked_metrics(fn(checkpoint, **kwargs)), ""))
     except BaseException:  # noqa: BLE001 - every failure is the validation's outcome

@@ -20,6 +20,10 @@ log = logging.getLogger("unbroken")
 class Result:
     """The last metrics, the latest checkpoint and the metric history of one run.
 
+    `best_checkpoints` are the kept checkpoints that rank, in Ray's order: worst first and
+    the best last by `checkpoint_score_attribute`, or oldest first without one
+    (`best_checkpoints[-1]` is the best, as in Ray).
+
     As Ray's, `path` is the run directory's path on `filesystem` (no URL scheme);
     `url` adds the scheme (`s3://bucket/...`), which is what `unbroken show` takes.
     """
@@ -128,7 +132,9 @@ class Result:
             checkpoint=handle(latest.name) if latest else None,
             error=error,
             path=storage.fs_path(),
-            best_checkpoints=[(handle(n), metrics(n)) for n in manifest.best_checkpoints if n in markers],
+            # Ray's order: the best last (by score; without one, the newest last).
+            best_checkpoints=[(handle(n), metrics(n)) for n in reversed(manifest.best_checkpoints)
+                              if n in markers],
             status=manifest.status,
             _filesystem=fs,
             checkpoints=[(handle(n), metrics(n)) for n in markers],
