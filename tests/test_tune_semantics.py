@@ -210,3 +210,14 @@ def test_restore_records_the_end_a_killed_sweep_driver_did_not(storage):
     assert sweep_json(path)["status"] == "FINISHED"
     assert [r.trial_status for r in grid] == ["TERMINATED", "TERMINATED"]
     assert {t: raw_rows(os.path.join(path, t)) for t in statuses(path)} == rows_before, "nothing re-ran"
+
+
+def test_asha_says_above_the_cutoff_for_a_metric_to_minimise():
+    """The stop message speaks in the metric's own terms (mode="min": a loss above the cutoff)."""
+    from unbroken.tune.asha import describe_decision
+
+    decision = {"metric": "loss", "value": 0.9, "cutoff": 0.5, "rung": 1, "time_attr": "training_iteration",
+                "time": 1}
+    assert "loss=0.9 above the cutoff 0.5 of rung 1" in describe_decision(decision)
+    score = {**decision, "metric": "score", "value": 0.1}
+    assert "score=0.1 below the cutoff 0.5" in describe_decision(score)

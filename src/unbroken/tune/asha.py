@@ -99,7 +99,10 @@ def read_decision(storage: Storage, trial: str) -> dict[str, Any] | None:
 
 
 def describe_decision(decision: dict[str, Any]) -> str:
-    return (f"ASHA: {decision['metric']}={decision['value']:.6g} below the cutoff {decision['cutoff']:.6g} "
+    """Why a trial was stopped, in the metric's own terms: below the cutoff for mode="max",
+    above it for mode="min"."""
+    side = "above" if decision["value"] > decision["cutoff"] else "below"
+    return (f"ASHA: {decision['metric']}={decision['value']:.6g} {side} the cutoff {decision['cutoff']:.6g} "
             f"of rung {decision['rung']:g} ({decision['time_attr']}={decision['time']:g})")
 
 
