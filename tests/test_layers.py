@@ -29,7 +29,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "cli": {"core", "state", "store", "run", "worker", "execution", "observe", "train", "tune"},
 }
 # The modules outside the layer packages, and the layer each belongs to.
-TOP_LEVEL = {"unbroken": "core", "unbroken.errors": "core", "unbroken.__main__": "cli"}
+TOP_LEVEL = {"unbroken": "core", "unbroken.errors": "core", "unbroken.__main__": "cli",
+             "unbroken.air": "core"}
 MAX_LINES = 500
 
 

@@ -314,6 +314,8 @@ def test_custom_names_under_retention_and_a_corrupted_one_set_aside(storage, cap
     ("unbroken.train", "get_preemption_info", "should_checkpoint()"),
     ("unbroken.train.torch", "accelerate", "torch.autocast"),
     ("unbroken.train.torch", "TorchXLAConfig", "TorchConfig"),
+    ("unbroken.air", "session", "train.report(...)"),
+    ("unbroken.air", "Checkpoint", "from unbroken.train import Checkpoint"),
 ])
 def test_ray_names_unbroken_does_not_provide_say_what_instead(module, name, hint):
     with pytest.raises(UnsupportedAPIError, match="Hint") as refused:

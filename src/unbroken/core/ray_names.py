@@ -17,6 +17,15 @@ _PBT = ("population-based training is not provided: trials share no weights or h
         "use ASHAScheduler to stop poor trials early")
 
 NOT_PROVIDED: dict[str, dict[str, str]] = {
+    "unbroken.air": {
+        "session": "Ray V1's session functions are unbroken.train's. Hint: session.report(metrics, "
+                   "checkpoint=...) is train.report(...); session.get_checkpoint() is "
+                   "train.get_checkpoint(); session.get_world_rank() is train.get_context()."
+                   "get_world_rank(); session.get_dataset_shard(name) is train.get_dataset_shard(name)",
+        **{name: f"it is unbroken.train.{name}. Hint: from unbroken.train import {name}"
+           for name in ("Checkpoint", "ScalingConfig", "RunConfig", "CheckpointConfig", "FailureConfig",
+                        "Result")},
+    },
     "unbroken.train": {
         "DataConfig": "datasets are split among the ranks by train.get_dataset_shard(name). Hint: drop "
                       "dataset_config and pass datasets={...} to the trainer",
@@ -85,5 +94,6 @@ def refuse(module: str, name: str) -> None:
     hint = NOT_PROVIDED.get(module, {}).get(name)
     if hint is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    library = "Ray Tune" if module.startswith("unbroken.tune") else "Ray Train"
+    library = ("Ray Tune" if module.startswith("unbroken.tune") else
+               "Ray AIR" if module == "unbroken.air" else "Ray Train")
     raise UnsupportedAPIError(f"{module}.{name} ({library}'s) is not provided: {hint}", name=name)
