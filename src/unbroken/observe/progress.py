@@ -4,7 +4,10 @@ In a terminal (stderr is a TTY) and with `RunConfig(verbose>=1)`: one live statu
 per attempt (tqdm), with the iteration, a few metrics, the elapsed time, the latest
 checkpoint and the attempt; it stays on screen when the attempt ends, with its status.
 Elsewhere, with `verbose=1`: an INFO line on the "unbroken" logger at the first row, at
-most every 30 s after that, and when the attempt ends. `verbose=0` shows nothing.
+most every 30 s after that, and when the attempt ends; where nobody configured logging,
+the logger gets a handler that writes those lines to stderr (`ensure_log_output`), so
+that a run whose output is redirected, in CI or in a notebook still shows its progress.
+`verbose=0` shows nothing.
 
 Report rounds can come thousands of times a second, so the display redraws at most four
 times a second; a round that does not redraw costs it one clock read.
@@ -63,6 +66,8 @@ class ProgressReporter(Callback):
         if is_terminal(sys.stderr):
             self._bar = _make_bar(total=self.total, initial=run.resumed_iteration,
                                   desc=f"{run.name} attempt {run.attempt}")
+        elif self.verbose == 1:
+            ensure_log_output()
 
     def on_result(self, run: RunInfo, metrics: dict[str, Any]) -> None:
         self._row = metrics
@@ -102,6 +107,19 @@ class ProgressReporter(Callback):
             elapsed = f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
             log.info("run %s: attempt %d, iteration %s, elapsed %s%s%s", run.name, run.attempt, iteration,
                      elapsed, "".join(f", {p}" for p in self._summary()), f": {status}" if status else "")
+
+
+def ensure_log_output() -> None:
+    """Where neither the "unbroken" logger nor any logger above it has a handler (nobody
+    configured logging), give it one that writes its INFO lines to stderr. Logging that was
+    configured is left as it is: its handlers and levels decide."""
+    if log.hasHandlers():
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("unbroken: %(message)s"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
 
 
 def _make_bar(**kwargs: Any) -> Any:
