@@ -263,6 +263,7 @@ def _node_local_fs(path: str):
     return DirFileSystem(path=os.path.join(other, "elsewhere") if other else path)
 
 
+@pytest.mark.slow  # S3 runs and killed ranks on Ray are each in the default run; together, a soak
 def test_a_run_on_object_storage_shared_by_every_node_survives_a_killed_rank(cluster, tmp_path, monkeypatch):
     for key, value in cluster.node_env.items():
         monkeypatch.setenv(key, value)
@@ -315,6 +316,7 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
     assert node_id not in {r["node_id"] for r in placements(str(tmp_path), 2)}
 
 
+@pytest.mark.slow  # 30 s; preemption is covered locally (test_preemption), kills on Ray by the harness
 def test_preempted_then_killed_driver_leaves_no_actor_and_restore_from_another_process_finishes(
         cluster, storage, tmp_path):
     env = {"RAY_ADDRESS": cluster.address}

@@ -376,6 +376,7 @@ print("DONE", result.metrics["training_iteration"])
 """
 
 
+@pytest.mark.slow  # the local readers' tests above are the default run's sample
 def test_a_run_in_a_shared_bucket_is_read_without_unpickling(s3_endpoint, marker):
     import boto3
 
