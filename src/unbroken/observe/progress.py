@@ -59,6 +59,8 @@ class ProgressReporter(Callback):
         self._next_draw = 0.0
         self._checkpoint: str | None = None
         self._t0 = 0.0
+        if self.verbose == 1 and not is_terminal(sys.stderr):
+            ensure_log_output()  # from the start: a lease takeover's warning is shown the same way
 
     def on_attempt_start(self, run: RunInfo) -> None:
         self._row, self._next_draw, self._t0 = None, 0.0, time.monotonic()
@@ -66,8 +68,6 @@ class ProgressReporter(Callback):
         if is_terminal(sys.stderr):
             self._bar = _make_bar(total=self.total, initial=run.resumed_iteration,
                                   desc=f"{run.name} attempt {run.attempt}")
-        elif self.verbose == 1:
-            ensure_log_output()
 
     def on_result(self, run: RunInfo, metrics: dict[str, Any]) -> None:
         self._row = metrics
