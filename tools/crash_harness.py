@@ -34,7 +34,8 @@ Invariants checked at every launch and at the end of each trial:
     uninterrupted run's, bit for bit;
   - the final model equals the uninterrupted run's, bit for bit;
   - every checkpoint asks for a validation (but with --jit), which runs in the background
-    while the run trains and the kills strike: at the end each kept checkpoint has one
+    while the run trains and the kills strike (a fault point also kills the driver between a
+    validation's end and its record): at the end each kept checkpoint has one
     record, VALIDATED on its own intact files (or failed because a kill-worker launch killed
     that validation process), and retention never deleted one still pending.
 
@@ -356,6 +357,8 @@ class Harness:
         if r < 0.55:
             if self.root.startswith("s3://") and self.rng.random() < 0.5:  # a launch folds a few times
                 return "replace-fault", f"{self.rng.choice(S3_POINTS)}:{self.rng.randint(1, 3)}", None
+            if not JIT[0] and self.rng.random() < 0.3:  # a validation ended; its record not written yet
+                return "validation-fault", f"before_validation_record:{self.rng.randint(1, 4)}", None
             return "replace-fault", f"{self.rng.choice(OTHER_POINTS)}:{self.rng.randint(1, 12)}", None
         if r < 0.65:
             return self.report_fault()

@@ -17,7 +17,9 @@ during_jit_save (the worker saving a just-in-time checkpoint, between its files:
 file by file and then removed: after each file copied, e.g. a torn checkpoint set aside);
 before_trial_record (sweep driver, when a trial's process has ended and before sweep.json
 records how the trial ended); after_fold (object stores: result.json rewritten with its
-parts folded in, before the parts are removed; see `store.appender`).
+parts folded in, before the parts are removed; see `store.appender`); before_validation_record
+(driver: a checkpoint's validation ended and its record is not written yet; see
+`execution.validations`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from unbroken.core import faults
 from unbroken.core.config import ScalingConfig
 from unbroken.core.validation_config import ValidationConfig, resolved
 from unbroken.execution.engine.factory import resolve_engine
@@ -130,6 +131,7 @@ class Validations:
         else:
             record = vr.ValidationRecord(vr.VALIDATED, metrics=metrics, finished_at=time.time())
         self._task = self._marker = None
+        faults.point("before_validation_record")
         self.run.record_validation(name, record)
         return name
 
