@@ -77,9 +77,7 @@ def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
         if info.world_rank == 0:
             channel.send(Rendezvous(value))
             return value
-        message = channel.recv()
-        assert isinstance(message, Rendezvous), message
-        return message.value
+        return session.receive(Rendezvous).value  # a `Validated` may come first (a validation ended)
 
     outcome: Outcome
     try:

@@ -204,7 +204,7 @@ class Session:
             sys.stderr.flush()
             os._exit(ATTEMPT_ENDED_EXIT)
 
-    def _recv(self, kind: type) -> Any:
+    def receive(self, kind: type) -> Any:
         """The driver's next message of `kind`. A `Committed`, and the reply to this rank's
         latest report, that arrive first are taken on the way (the driver answers a report
         round and a collective call in whichever order they complete)."""
@@ -239,7 +239,7 @@ class Session:
 
     def _take_reply(self) -> None:
         if self._awaiting_reply:
-            self._took(self._recv(Reply))
+            self._took(self.receive(Reply))
         if self._reply.stop:
             raise StopTraining()
 
@@ -248,7 +248,7 @@ class Session:
         group): waits until every rank has made it; rank 0's `data`, or the error to raise."""
         self._collective_calls += 1
         self.send(Gather(self._collective_calls - 1, op, data, error))
-        return self._recv(Gathered)
+        return self.receive(Gathered)
 
     def should_checkpoint(self) -> bool:
         self._take_reply()
@@ -379,7 +379,7 @@ class Session:
         self._take_reply()
         self.saver.wait()
         while self._committed_async < self._saved_async:
-            self._note_committed(self._recv(Committed))
+            self._note_committed(self.receive(Committed))
         storage = self.info.storage
         markers = []
         for name in scan(storage)[0]:
@@ -390,7 +390,7 @@ class Session:
         records = validation_record.read_all(storage, markers)
         waiting = {m.name for m in markers if m.validation is not None and m.name not in records}
         while validated and self.info.validates and waiting - self._validated:
-            self._validated.add(self._recv(Validated).name)
+            self._validated.add(self.receive(Validated).name)
         records.update(validation_record.read_all(storage, [m for m in markers if m.name in waiting]))
         return [ReportedCheckpoint(Checkpoint(storage.url(m.name), storage.filesystem_arg),
                                    validation_record.metrics(m, records.get(m.name)),
