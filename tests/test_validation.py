@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from conftest import read_until, run_script, start_script
-from unbroken import cli
+from unbroken import cli, train
 from unbroken.train import (
     CheckpointConfig,
     DataParallelTrainer,
@@ -73,7 +73,7 @@ def test_a_failed_or_timed_out_validation_is_recorded_and_training_goes_on(stora
     assert "VALIDATION_FAILED: ValueError: validation refuses value 1" in capsys.readouterr().out
 
 
-def test_committed_mode_does_not_wait_and_a_report_without_a_checkpoint_cannot_ask(storage):
+def test_committed_mode_does_not_wait_for_a_validation(storage):
     blocker = os.path.join(os.path.dirname(storage), "block")
     os.mkfifo(blocker)
     os.environ["UNBROKEN_TEST_BLOCK"] = blocker
@@ -131,8 +131,15 @@ def test_a_validation_in_flight_when_the_driver_dies_runs_again_and_is_recorded_
     assert "VALIDATING" not in again
 
 
+def no_checkpoint_loop(config):
+    train.report({"i": 1}, validation=True)
+
+
 def test_asking_without_a_checkpoint_or_without_a_validation_config_says_what_to_do(storage):
     from unbroken.train import TrainingFailedError
 
     with pytest.raises(TrainingFailedError, match="needs the trainer's ValidationConfig"):
         trainer(storage, "no-config", {"iterations": 1, "asks": {"1": "yes"}}).fit()
+    with pytest.raises(TrainingFailedError, match="this report has none. Hint"):
+        DataParallelTrainer(no_checkpoint_loop, validation_config=ValidationConfig(validate),
+                            run_config=RunConfig(name="no-checkpoint", storage_path=storage)).fit()

@@ -61,7 +61,7 @@ POLL_S = 1.0
 # How long a failed group's incomplete round may take to complete (the other ranks are
 # finishing the step the failed rank already reported; see `rounds`).
 ROUND_GRACE_S = 10.0
-VALIDATION_POLL_S = 0.1  # how often a validation in flight is looked at (it has no fd to wait on)
+VALIDATION_POLL_S = 0.1  # how often a validation in flight is looked at (polled, not in the group's wait)
 # How long an attempt runs before its group warms up for a restart (`WorkerGroup.warm_up`):
 # the start of an attempt keeps the machines to itself, and a failure before then restarts
 # cold, as it would without warm restarts.
