@@ -6,10 +6,13 @@ import json
 import logging
 import os
 import pty
+import socket
 import struct
 import subprocess
 import sys
 import termios
+import threading
+import time
 
 import pytest
 
@@ -98,16 +101,65 @@ def test_callbacks_see_every_event_of_every_attempt_in_order(storage):
     assert state == {"events": 15, "seen": None}
 
 
-def test_a_failing_callback_is_reported_once_and_the_run_goes_on(storage, caplog):
-    broken = BrokenResult()
+class BackgroundRecorder(Recorder):
+    run_in_background = True
+
+
+class BackgroundBroken(BrokenResult):
+    run_in_background = True
+
+
+class Hangs(Callback):
+    """Runs in the background; its third on_result never returns (a server that never answers)."""
+
+    run_in_background = True
+    hook_timeout_s = 1.0
+
+    def __init__(self):
+        self.calls = 0
+
+    def on_result(self, run, metrics):
+        self.calls += 1
+        if self.calls == 3:
+            threading.Event().wait()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failing_callback_is_reported_once_and_the_run_goes_on(storage, caplog, background):
+    broken = BackgroundBroken() if background else BrokenResult()
     with caplog.at_level(logging.WARNING, logger="unbroken"):
         result = trainer(storage, "broken", {"iterations": 6}, [BrokenSetup(), broken]).fit()
     assert result.status == "FINISHED" and result.metrics["training_iteration"] == 6
-    assert broken.calls == 6, "a callback that raised is still called"
+    assert broken.calls == 1, "a callback that raised is not called again in this fit()"
     warnings = [r.getMessage() for r in caplog.records if "callback" in r.getMessage()]
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith("callback BrokenSetup failed in setup (RuntimeError: no tracking server)")
-    assert warnings[1].startswith("callback BrokenResult failed in on_result (ValueError: bad metric)")
+    assert warnings[1].startswith(f"callback {type(broken).__name__} failed in on_result (ValueError: bad metric)")
+    assert "not called again in this fit()" in warnings[1]
+
+
+def test_a_background_callback_sees_the_events_as_they_were(storage):
+    recorder = Recorder()
+    background = BackgroundRecorder()
+    config = {"iterations": 7, "fail_at": [[5, 1]]}
+    trainer(storage, "background", config, [recorder, background], max_failures=1).fit()
+    assert background.events == recorder.events, "same events, same order, the attempt as it was then"
+    assert [t.name for t in threading.enumerate() if t.name.startswith("unbroken-hooks")] == [], \
+        "fit() waited for the hooks and let their thread end"
+
+
+def test_a_hung_background_callback_holds_up_neither_training_nor_fit(storage, caplog):
+    hangs = Hangs()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        result = trainer(storage, "hangs", {"iterations": 40}, [hangs]).fit()
+    wall = time.monotonic() - t0
+    assert result.metrics["training_iteration"] == 40
+    assert wall < 1.0 + 8.0, f"fit() took {wall:.1f} s: it waited for the hung hook longer than its bound"
+    assert hangs.calls == 3, "not called again once given up"
+    warnings = [r.getMessage() for r in caplog.records if "callback Hangs" in r.getMessage()]
+    assert warnings == ["callback Hangs on_result has not returned after 1 s; the run goes on without it: "
+                        "it is not called again in this fit()"]
 
 
 def test_callbacks_must_be_callback_instances(storage):
@@ -191,6 +243,42 @@ def test_mlflow_resumes_the_same_run_and_logs_each_step_once(storage, tmp_path):
     expected = {r["training_iteration"]: r["loss"] for r in Result.from_path(path).rows}
     assert loss == pytest.approx(expected)
     assert loss[4] == pytest.approx(1 / 4 + 0.2), "attempt 1's row 4 (after checkpoint 3) was never sent"
+
+
+MLFLOW_UNREACHABLE = """
+import json, logging, sys, time
+from toy_loops import toy_loop
+from unbroken.train import DataParallelTrainer, MLflowLoggerCallback, RunConfig
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+t0 = time.monotonic()
+result = DataParallelTrainer(toy_loop, train_loop_config={"iterations": 32}, run_config=RunConfig(
+    name="unreachable", storage_path=sys.argv[1], verbose=0,
+    callbacks=[MLflowLoggerCallback(sys.argv[2], timeout_s=2, wait_for_checkpoint=sys.argv[3] == "1")])).fit()
+print(json.dumps({"wall": time.monotonic() - t0, "rows": len(result.rows),
+                  "slowest": max(r["time_this_iter_s"] for r in result.rows)}))
+"""
+
+
+@pytest.mark.parametrize("server", ["closed port", "never answers"])
+def test_an_unreachable_mlflow_server_never_stalls_training(storage, server):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        if server == "never answers":
+            sock.listen(64)  # the kernel accepts connections; nobody reads or answers them
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        if server == "closed port":
+            sock.close()
+        wait = "1" if server == "closed port" else "0"
+        proc = run_script(MLFLOW_UNREACHABLE, storage, uri, wait, MLFLOW_DISABLE_TELEMETRY="true")
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["rows"] == 32
+    assert out["slowest"] < 1.0, f"an iteration waited {out['slowest']:.1f} s for the logger"
+    # The logger is given up 2 s after its stuck call began; fit() waits no longer than that.
+    assert out["wall"] < 2.0 + 10.0, f"fit() took {out['wall']:.1f} s"
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("unbroken: callback")]
+    assert len(warnings) == 1, proc.stderr
+    assert warnings[0].startswith("unbroken: callback MLflowLoggerCallback ")
+    assert "the run goes on without it: it is not called again in this fit()" in warnings[0]
 
 
 PROGRESS_DRIVER = """

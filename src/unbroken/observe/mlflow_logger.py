@@ -8,6 +8,11 @@ MLflow cannot delete logged points, so by default a row is sent only once it can
 be abandoned: when a checkpoint at its iteration or later commits, or when its attempt
 finishes. Rows a failed attempt recorded after its last checkpoint are dropped; the next
 attempt records those iterations again. Each step is then logged exactly once.
+
+The calls to MLflow run off the report path (`Callback.run_in_background`): a tracking
+server that is down or does not answer never holds up training. MLflow's client retries
+for minutes on its own, so each hook is bounded by `timeout_s`; the first call that fails
+or overruns turns the logger off for the rest of the fit(), with one warning.
 """
 
 from __future__ import annotations
@@ -42,13 +47,21 @@ class MLflowLoggerCallback(Callback):
             docstring). False sends rows about once a second as they come; then a failed
             attempt's rows after its last checkpoint are logged a second time by the attempt
             that repeats them.
+        timeout_s: the longest one hook (creating the MLflow run, sending a batch) may take;
+            after that, or after the first error, MLflow logging is off for the rest of
+            this fit() and the run goes on. fit() waits at most this long for the last batch.
 
     Needs the MLflow client (`pip install 'unbroken[mlflow]'`, which installs mlflow-skinny).
     """
 
+    run_in_background = True
+
     def __init__(self, tracking_uri: str | None = None, *, experiment_name: str | None = None,
                  tags: dict[str, str] | None = None, log_params: bool = True,
-                 wait_for_checkpoint: bool = True) -> None:
+                 wait_for_checkpoint: bool = True, timeout_s: float = 15.0) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"MLflowLoggerCallback(timeout_s={timeout_s!r}) must be > 0 seconds")
+        self.hook_timeout_s = float(timeout_s)
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.tags = dict(tags or {})

@@ -6,9 +6,10 @@ SessionLog START event at step `resumed_iteration + 1`, the marker TensorBoard r
 writes). The rows an abandoned attempt logged after the checkpoint the next attempt
 resumed from therefore vanish from the charts, while staying in the files.
 
-Records are written synchronously with TensorBoard's own messages and record framing, but
-without its writer thread: a thread in the driver makes worker start-up slower (see
-engine/local.py), and one small buffered write per report round is cheap.
+Records are written with TensorBoard's own messages and record framing, but without its
+writer thread: the hooks already run off the report path on the callback's own thread
+(`Callback.run_in_background`), so a log directory on a slow or hung mount never holds up
+training, and one small buffered write per report round is cheap.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class TensorBoardLoggerCallback(Callback):
     View with `tensorboard --logdir <storage_path>` (all runs) or `--logdir <run>/tensorboard`.
     Needs the `tensorboard` package (`pip install 'unbroken[tensorboard]'`).
     """
+
+    run_in_background = True
 
     def __init__(self, logdir: str | os.PathLike | None = None) -> None:
         self.logdir = os.fspath(logdir) if logdir is not None else None

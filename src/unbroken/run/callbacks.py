@@ -10,10 +10,14 @@ they depend on it, not the other way round.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from unbroken.run.hook_thread import HookThread
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.manifest import META_DIR
 
@@ -41,6 +45,16 @@ class ObservedRun(Protocol):
     def path(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class _RunAtEvent:
+    """What a background callback's hook sees: the run as it was when the event happened."""
+
+    storage: Storage
+    manifest: RunManifest
+    attempt: Attempt | None
+    path: str
+
+
 class RunInfo:
     """What a callback may know about the run it observes. Read-only, except for the
     callback's own small state file (`load_state` / `save_state`), which lives in the run
@@ -48,6 +62,11 @@ class RunInfo:
 
     def __init__(self, run: ObservedRun) -> None:
         self._run = run
+
+    def at_event(self) -> RunInfo:
+        """A copy fixed at this moment (the attempt as it is now), for a hook run later."""
+        run = self._run
+        return RunInfo(_RunAtEvent(run.storage, run.manifest, copy.copy(run.attempt), run.path))
 
     @property
     def name(self) -> str:
@@ -105,11 +124,19 @@ class Callback:
     """Hooks called by the driver while a run trains. Every method does nothing by default;
     override the ones you need and pass instances in `RunConfig(callbacks=[...])`.
 
-    Callbacks run in the driver process only. An exception in a callback is logged (once
-    per callback) and never stops the run. Callbacks are saved with the run config, so keep
-    open files, clients and threads out of pickling (create them in a hook, drop them in
-    `__getstate__`).
+    Callbacks run in the driver process only. A callback never stops the run: the first
+    time one of its hooks raises, one warning says so and the callback is not called again
+    in this fit(). Callbacks are saved with the run config, so keep open files, clients and
+    threads out of pickling (create them in a hook, drop them in `__getstate__`).
     """
+
+    #: False: the hooks run on the driver's thread as each event happens, so they hold up
+    #: the report path for as long as they take. True (the loggers): they run in the same
+    #: order on a thread of this callback's own, off the report path; each call is bounded
+    #: by `hook_timeout_s`, after which the callback is given up for the rest of the fit().
+    #: `run` then describes the run as it was at the event.
+    run_in_background: bool = False
+    hook_timeout_s: float = 15.0
 
     def setup(self, run: RunInfo) -> None:
         """Once per fit(), before the first attempt starts."""
@@ -165,44 +192,49 @@ class CallbackList:
                                 "unbroken.train.UserCallback, Ray Train V2's interface)")
         self.info: RunInfo | None = None
         self._set_up = False
-        self._warned: set[int] = set()
-        self._broken: set[int] = set()  # set up failed: not called again in this fit()
+        self._broken: set[int] = set()  # failed once: not called again in this fit()
+        self._threads: dict[int, HookThread] = {}  # of the callbacks that run in the background
 
     def bind(self, run: ObservedRun) -> CallbackList:
         """Attach to the run whose events this list will receive."""
         self.info = RunInfo(run)
         return self
 
-    def _call(self, cb: Callback | UserCallback, method: str, *args: Any) -> bool:
-        hook = getattr(cb, method, None)
-        if hook is None:
-            return True  # a Callback has no after_report, a UserCallback no on_result
-        try:
-            hook(self.info, *args)
-            return True
-        except Exception as e:
-            if id(cb) not in self._warned:
-                self._warned.add(id(cb))
-                after = ("it is not called again in this fit()" if method == "setup"
-                         else "further errors of this callback are not reported")
-                log.warning("callback %s failed in %s (%s: %s); the run goes on, and %s",
-                            type(cb).__name__, method, type(e).__name__, e, after,
-                            exc_info=log.isEnabledFor(logging.DEBUG))
-            return False
-
     def _each(self, method: str, *args: Any) -> None:
         for cb in self.callbacks:
-            if id(cb) not in self._broken:
-                self._call(cb, method, *args)
+            if id(cb) in self._broken:
+                continue
+            hook = getattr(cb, method, None)
+            if hook is None:
+                continue  # a Callback has no after_report, a UserCallback no on_result
+            if getattr(cb, "run_in_background", False):
+                self._thread(cb).submit(method, functools.partial(hook, self.info.at_event(), *(
+                    copy.copy(a) if isinstance(a, (dict, list)) else a for a in args)))
+                continue
+            try:
+                hook(self.info, *args)
+            except Exception as e:
+                self._give_up(cb, f"failed in {method}", e)
+
+    def _thread(self, cb: Callback) -> HookThread:
+        if id(cb) not in self._threads:
+            self._threads[id(cb)] = HookThread(type(cb).__name__, float(cb.hook_timeout_s),
+                                               lambda why, error: self._give_up(cb, why, error))
+        return self._threads[id(cb)]
+
+    def _give_up(self, cb: Callback | UserCallback, why: str, error: BaseException | None) -> None:
+        self._broken.add(id(cb))
+        cause = f" ({type(error).__name__}: {error})" if error is not None else ""
+        log.warning("callback %s %s%s; the run goes on without it: it is not called again in this fit()",
+                    type(cb).__name__, why, cause,
+                    exc_info=error if log.isEnabledFor(logging.DEBUG) else None)
 
     def attempt_started(self) -> None:
         if not self.callbacks:
             return
         if not self._set_up:
             self._set_up = True
-            for cb in self.callbacks:
-                if not self._call(cb, "setup"):
-                    self._broken.add(id(cb))
+            self._each("setup")
         self._each("on_attempt_start")
 
     def result(self, row: dict[str, Any]) -> None:
@@ -231,6 +263,9 @@ class CallbackList:
     def run_ended(self, status: str) -> None:
         if self.callbacks and self._set_up:
             self._each("on_run_end", status)
+            for thread in self._threads.values():
+                thread.drain()
+            self._threads.clear()
             self._set_up = False  # a later fit() on the same Run sets them up again
 
 

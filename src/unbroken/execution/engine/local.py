@@ -31,7 +31,8 @@ from unbroken.worker.runner import WorkerPayload, run_worker
 # Python threads that survive a fork harmlessly: fsspec's event-loop thread for async
 # filesystems (s3fs, gcsfs) and that loop's executor threads (DNS lookups) are idle between
 # requests, fsspec resets its loop in a forked child, and workers open their own instance.
-_FORK_SAFE_THREADS = ("fsspecIO", "asyncio_")
+# The threads of callbacks that run in the background (run/hook_thread.py) run no torch.
+_FORK_SAFE_THREADS = ("fsspecIO", "asyncio_", "unbroken-hooks")
 
 
 def _thread_count() -> int:
