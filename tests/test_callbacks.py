@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pty
+import re
 import socket
 import struct
 import subprocess
@@ -134,7 +135,8 @@ def test_a_failing_callback_is_reported_once_and_the_run_goes_on(storage, caplog
     warnings = [r.getMessage() for r in caplog.records if "callback" in r.getMessage()]
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith("callback BrokenSetup failed in setup (RuntimeError: no tracking server)")
-    assert warnings[1].startswith(f"callback {type(broken).__name__} failed in on_result (ValueError: bad metric)")
+    name = type(broken).__name__
+    assert warnings[1].startswith(f"callback {name} failed in on_result (ValueError: bad metric)")
     assert "not called again in this fit()" in warnings[1]
 
 
@@ -318,6 +320,7 @@ def test_progress_line_in_a_terminal_quiet_elsewhere(storage):
     drawn = drive_in_terminal(storage, "tty", "plain", "1")
     final = drawn.rstrip().split("\r")[-1]
     assert final.startswith("tty attempt 1: 100%") and "30/30" in final
+    assert re.search(r"\[00:\d\d<00:00, ", final), "elapsed<time left"
     assert "loss=0.1333, acc=1, ckpt=30, FINISHED]" in final
 
     assert drive_in_terminal(storage, "tty-quiet", "plain", "0").strip() == "", "verbose=0: nothing"
@@ -325,12 +328,13 @@ def test_progress_line_in_a_terminal_quiet_elsewhere(storage):
     # Not a terminal and no logging configured: the same lines, through a handler of its own.
     piped = [line for line in run_script(PROGRESS_DRIVER, storage, "piped", "plain", "1").stderr.splitlines()
              if line.startswith("unbroken: run piped: ")]
-    assert piped[0].startswith("unbroken: run piped: attempt 1, iteration 1, elapsed 00:00:")
+    assert piped[0].startswith("unbroken: run piped: attempt 1, iteration 1/30, elapsed 00:00:")
+    assert re.search(r", elapsed 00:00:\d\d, ETA \d\d:\d\d:\d\d, ", piped[0]), "a known end: an ETA"
     assert piped[-1].endswith(", loss=0.1333, acc=1, ckpt=30: FINISHED") and len(piped) <= 4
     assert run_script(PROGRESS_DRIVER, storage, "piped-quiet", "plain", "0").stderr == "", "verbose=0"
     logged = [line for line in run_script(PROGRESS_DRIVER, storage, "logged", "log", "1").stderr.splitlines()
               if line.startswith("run logged: ")]
-    assert logged[0].startswith("run logged: attempt 1, iteration 1, elapsed 00:00:")
-    assert logged[-1].startswith("run logged: attempt 1, iteration 30, elapsed 00:00:")
+    assert logged[0].startswith("run logged: attempt 1, iteration 1/30, elapsed 00:00:")
+    assert logged[-1].startswith("run logged: attempt 1, iteration 30/30, elapsed 00:00:")
     assert logged[-1].endswith(", loss=0.1333, acc=1, ckpt=30: FINISHED")
     assert len(logged) <= 4, "the first row, at most one line every 30 s, and the end"

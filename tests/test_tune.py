@@ -328,6 +328,30 @@ def test_sweep_driver_sigkill_twice_ends_like_an_uninterrupted_sweep(storage, tm
     assert not os.path.exists(os.path.join(path, ".unbroken", "lease.json"))
 
 
+QUIET_SWEEP = """
+import sys
+from tune_loops import tune_loop
+from unbroken import tune
+from unbroken.train import RunConfig
+tune.Tuner(tune_loop, param_space={"x": tune.grid_search([1, 2, 3]), "iterations": 2},
+           tune_config=tune.TuneConfig(max_concurrent_trials=1, metric="score", mode="max"),
+           run_config=RunConfig(name="progress", storage_path=sys.argv[1])).fit()
+"""
+
+
+def test_a_sweep_shows_its_progress_where_nobody_configured_logging(storage):
+    lines = [line for line in run_script(QUIET_SWEEP, storage).stderr.splitlines()
+             if line.startswith("unbroken: sweep progress: ")]
+    ended = [line.removeprefix("unbroken: sweep progress: ") for line in lines if " TERMINATED " in line]
+    assert len(ended) == 3, lines
+    assert ended[0].startswith("trial_00000 TERMINATED (score=2.0); 1/3 done, 0 running, 2 pending, ETA ")
+    assert ended[1].startswith("trial_00001 TERMINATED (score=4.0); 2/3 done, 0 running, 1 pending, ETA ")
+    assert ended[2] == "trial_00002 TERMINATED (score=6.0); 3/3 done, 0 running, 0 pending"
+    started = [line for line in lines if " started with " in line]
+    assert "; 1/3 done, 1 running, 1 pending, ETA " in started[1], started
+    assert lines[-1] == "unbroken: sweep progress: FINISHED: 3 TERMINATED"
+
+
 # -- signals ------------------------------------------------------------------------------------------
 
 SIGNALLED = """

@@ -36,7 +36,7 @@ from unbroken.errors import (
     UnbrokenError,
     UnknownMetricError,
 )
-from unbroken.observe.progress import format_value, is_terminal
+from unbroken.observe.progress import ensure_log_output, format_value, is_terminal
 from unbroken.run.callbacks import numeric_metrics
 from unbroken.store import history, sweep_manifest
 from unbroken.store import manifest as mf
@@ -49,6 +49,7 @@ _USAGE_ERRORS = (RunNotFoundError, UnknownMetricError)
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit code."""
     args = _parser().parse_args(argv)
+    ensure_log_output()  # `unbroken resume` and the rest show unbroken's INFO lines on stderr
     try:
         return args.handler(args)
     except KeyboardInterrupt:

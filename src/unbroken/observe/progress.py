@@ -7,7 +7,8 @@ Elsewhere, with `verbose=1`: an INFO line on the "unbroken" logger at the first 
 most every 30 s after that, and when the attempt ends; where nobody configured logging,
 the logger gets a handler that writes those lines to stderr (`ensure_log_output`), so
 that a run whose output is redirected, in CI or in a notebook still shows its progress.
-`verbose=0` shows nothing.
+Both show the total and an estimate of the time left when the run has a known end
+(`RunConfig(stop={"training_iteration": N})`). `verbose=0` shows nothing.
 
 Report rounds can come thousands of times a second, so the display redraws at most four
 times a second; a round that does not redraw costs it one clock read.
@@ -103,10 +104,28 @@ class ProgressReporter(Callback):
             bar.refresh()
         elif self.verbose == 1 and log.isEnabledFor(logging.INFO):
             iteration = (self._row or {}).get("training_iteration", run.resumed_iteration)
-            seconds = int(now - self._t0)
-            elapsed = f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-            log.info("run %s: attempt %d, iteration %s, elapsed %s%s%s", run.name, run.attempt, iteration,
-                     elapsed, "".join(f", {p}" for p in self._summary()), f": {status}" if status else "")
+            position = f"{iteration}/{self.total}" if self.total else f"{iteration}"
+            eta = ""
+            if self.total and status is None:
+                left = eta_s(now - self._t0, iteration - run.resumed_iteration, self.total - iteration)
+                eta = f", ETA {clock(left)}" if left is not None else ""
+            log.info("run %s: attempt %d, iteration %s, elapsed %s%s%s%s", run.name, run.attempt, position,
+                     clock(now - self._t0), eta, "".join(f", {p}" for p in self._summary()),
+                     f": {status}" if status else "")
+
+
+def clock(seconds: float) -> str:
+    """hh:mm:ss"""
+    s = int(seconds)
+    return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def eta_s(elapsed: float, done: int, left: int) -> float | None:
+    """Seconds still needed for `left` more units at the rate of the `done` ones so far, or
+    None before the first one is done."""
+    if done <= 0 or elapsed <= 0:
+        return None
+    return max(0, left) * elapsed / done
 
 
 def ensure_log_output() -> None:

@@ -38,6 +38,7 @@ from unbroken.errors import TrainingInterruptedError, UnbrokenError
 from unbroken.execution.engine.factory import engine_env
 from unbroken.execution.engine.local import start_method
 from unbroken.execution.preemption import Interrupts
+from unbroken.observe.progress import clock, eta_s
 from unbroken.store import history
 from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
@@ -131,6 +132,8 @@ class SweepDriver:
     queue: list[str] = field(default_factory=list)
     ctx: SearchContext | None = None
     _method: str = "fork"
+    _t0: float = 0.0  # when execute() began (monotonic)
+    _done_at_start: int = 0  # trials already done then
 
     # -- bookkeeping ----------------------------------------------------------------------
     @property
@@ -288,7 +291,21 @@ class SweepDriver:
                 detail = f" ({self.metric}={row[self.metric]})"
             if record.stopped_early:
                 detail += f", stopped early by {record.stopped_early}"
-        self._say("%s %s%s", record.name, status, detail)
+        self._say("%s %s%s; %s", record.name, status, detail, self._progress())
+
+    def _progress(self) -> str:
+        """"3/10 done, 2 running, 5 pending, ETA 00:04:10": where the sweep stands, and the
+        time left at the pace of the trials this driver saw end."""
+        counts = self.manifest.counts()
+        done = sum(n for status, n in counts.items() if status in sw.DONE)
+        running = counts.get(sw.RUNNING, 0)
+        pending = max(0, self.total - done - running)
+        text = f"{done}/{self.total} done, {running} running, {pending} pending"
+        ended_here = done - self._done_at_start
+        left = eta_s(time.monotonic() - self._t0, ended_here, self.total - done) if ended_here else None
+        if left is not None and done < self.total:
+            text += f", ETA {clock(left)}"
+        return text
 
     def _collect(self, running: _Running, stopping: bool) -> None:
         """A trial process ended: record what became of the trial."""
@@ -318,6 +335,8 @@ class SweepDriver:
     def execute(self) -> None:
         """Run the queued and newly proposed trials; raise TrainingInterruptedError on a signal."""
         running: dict[str, _Running] = {}
+        self._t0 = time.monotonic()
+        self._done_at_start = sum(1 for t in self.manifest.trials if t.status in sw.DONE)
         with Interrupts() as interrupts:
             try:
                 forwarded = self._run_trials(running, interrupts)
@@ -370,8 +389,7 @@ class SweepDriver:
             started = self._launch(record)
             if started is not None:
                 running[record.name] = started
-                self._say("%s started (%d running, at most %d) with %s", record.name,
-                          len(running), self.concurrency, record.config)
+                self._say("%s started with %s; %s", record.name, record.config, self._progress())
 
     def _wait(self, running: dict[str, _Running], interrupts: Interrupts) -> list[Any]:
         """Block until a trial process ends, a trial sends, or a signal comes (POLL_S at most, so

@@ -26,6 +26,7 @@ from typing import Any
 from unbroken.core.config import RunConfig, generated_name
 from unbroken.errors import RunExistsError, RunNotFoundError
 from unbroken.execution.engine.factory import check_can_run
+from unbroken.observe.progress import ensure_log_output
 from unbroken.run.identity import identity
 from unbroken.store import manifest as mf
 from unbroken.store import opening
@@ -112,6 +113,8 @@ class Tuner:
         checkpoints and stops the running trials and raises TrainingInterruptedError with the
         restore call in its message.
         """
+        if self.run_config.verbose >= 1:
+            ensure_log_output()  # a sweep's progress is its log lines, in a terminal or not
         driver = self._open()
         if driver is not None:
             try:
