@@ -38,6 +38,16 @@ def die(signal_name: str = "SIGKILL") -> tuple:
     return ("die", signal_name)
 
 
+def lose_node() -> tuple:
+    """The rank's node is lost (the engine says so: WorkerDied.node_lost)."""
+    return ("die", None)
+
+
+def call(fn: Any) -> tuple:
+    """The test's `fn()` runs at this point of the rank's script (e.g. capacity comes back)."""
+    return ("call", fn)
+
+
 HANG = ("hang",)            # the rank never sends anything again
 SLOW = ("slow",)            # the rank sends nothing more in this poll (a slower peer)
 SIGTERM_DRIVER = ("sigterm",)  # the driver gets a SIGTERM (a preemption notice)
@@ -51,6 +61,7 @@ class FakeRank:
     awaiting_reply: bool = False
     ended: bool = False
     dying: str | None = None  # its death shows in the next poll
+    lost: bool = False  # it died with its node
     replies: list[Reply] = field(default_factory=list)
 
     def _take_reply(self) -> bool:
@@ -89,13 +100,15 @@ class FakeRank:
                 out.append(Failed(f"Traceback (most recent call last):\nRuntimeError: {args[0]}\n",
                                   cloudpickle.dumps(RuntimeError(args[0]))))
             elif kind == "die":
-                self.ended, self.dying = True, args[0]
+                self.ended, self.dying, self.lost = True, args[0] or "SIGKILL", args[0] is None
             elif kind == "hang":
                 self.ended = True
             elif kind == "slow":
                 return out  # nothing more in this poll
             elif kind == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)
+            elif kind == "call":
+                args[0]()
         return out
 
 
@@ -126,7 +139,8 @@ class FakeWorkerGroup:
         events: list[tuple[int, Any]] = []
         for rank, fake in enumerate(self.ranks):
             if fake.dying is not None:
-                died = WorkerDied(rank, signal_name=fake.dying, engine="fake")
+                died = (WorkerDied(rank, node_lost="fake node lost", engine="fake") if fake.lost
+                        else WorkerDied(rank, signal_name=fake.dying, engine="fake"))
                 self.killed.append(died)
                 fake.dying = None
                 events.append((rank, died))

@@ -7,7 +7,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from unbroken.errors import UnsupportedOptionError
@@ -29,19 +29,40 @@ class ScalingConfig:
     accepted but have no effect on the local engine, where every rank is on this machine.
     `trainer_resources` (Ray Train V1) is accepted with a warning and has no effect: the
     driver runs in the calling process and takes no resources of its own (Ray V2 refuses it).
+
+    Elastic training (Ray V2's names): `num_workers=(min_workers, max_workers)` runs on as
+    many workers as can be placed, between the two. A run starts with what is there (at
+    least `min_workers`), continues on the workers left when one is lost instead of waiting
+    for a replacement, and every `elastic_resize_monitor_interval_s` while it trains checks
+    whether more can be placed and grows at the next report. Each resize is a new attempt
+    from a checkpoint taken for it (or the newest one after a failure); a resize is not a
+    failure. On the local engine the capacity is this machine: it always runs `max_workers`.
     """
 
-    num_workers: int = 1
+    num_workers: int | tuple[int, int] = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
     engine: Literal["auto", "local", "ray"] = "auto"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     accelerator_type: str | None = None
     trainer_resources: dict[str, float] | None = None
+    elastic_resize_monitor_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+        if isinstance(self.num_workers, list):
+            self.num_workers = tuple(self.num_workers)
+        if isinstance(self.num_workers, tuple):
+            pair = self.num_workers
+            if len(pair) != 2 or not all(_is_int(v) and v >= 1 for v in pair) or pair[0] > pair[1]:
+                raise ValueError(f"ScalingConfig.num_workers=(min_workers, max_workers) needs two ints with "
+                                 f"1 <= min_workers <= max_workers, got {self.num_workers!r}. Hint: "
+                                 "num_workers=(2, 4) trains on 2 to 4 workers")
+        elif not _is_int(self.num_workers) or self.num_workers < 1:
             raise ValueError(f"ScalingConfig.num_workers must be an int >= 1, got {self.num_workers!r}")
+        interval = self.elastic_resize_monitor_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise ValueError(f"ScalingConfig.elastic_resize_monitor_interval_s must be > 0 seconds, "
+                             f"got {interval!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"ScalingConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -52,20 +73,42 @@ class ScalingConfig:
                         "calling process and takes no resources of its own", self.trainer_resources)
 
     @property
+    def elasticity_enabled(self) -> bool:
+        """num_workers is a (min_workers, max_workers) range (Ray V2)."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    def fixed(self, num_workers: int) -> ScalingConfig:
+        """This config at one size: what one attempt of an elastic run runs with."""
+        return replace(self, num_workers=num_workers)
+
+    @property
     def total_resources(self) -> dict[str, float]:
         """What the workers need in all (Ray V2): each worker's resources (CPU 1 and, with
-        use_gpu, GPU 1 unless `resources_per_worker` says otherwise) times num_workers."""
+        use_gpu, GPU 1 unless `resources_per_worker` says otherwise) times num_workers (the
+        most workers, for an elastic run)."""
         per = dict(self.resources_per_worker or {"CPU": 1.0})
         if self.use_gpu:
             per.setdefault("GPU", 1.0)
-        return {name: float(amount) * self.num_workers for name, amount in per.items()}
+        return {name: float(amount) * self.max_workers for name, amount in per.items()}
 
     def cpus_per_worker(self) -> int:
         """Intra-op threads each worker gets: its CPU resources, or an even share of this machine."""
         cpus = (self.resources_per_worker or {}).get("CPU")
         if cpus:
             return max(1, int(cpus))
-        return max(1, (os.cpu_count() or 1) // self.num_workers)
+        return max(1, (os.cpu_count() or 1) // self.max_workers)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass

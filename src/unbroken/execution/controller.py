@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from unbroken.core import faults
 from unbroken.core.config import RunConfig, ScalingConfig
 from unbroken.errors import (
+    InsufficientResourcesError,
     LeaseLostError,
     StorageError,
     TrainingInterruptedError,
@@ -27,18 +27,18 @@ from unbroken.errors import (
 )
 from unbroken.execution import controller_state as states
 from unbroken.execution.collective_calls import CollectiveCalls
+from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
-from unbroken.execution.jit_coordinator import Coordinator, settle
+from unbroken.execution.jit_coordinator import Coordinator, commit_just_in_time
 from unbroken.execution.preemption import Interrupts
+from unbroken.execution.rank_payload import rank_payload
 from unbroken.execution.report_rounds import ReportRounds
 from unbroken.execution.validations import ValidationRunner, Validations
 from unbroken.execution.worker_failures import first_line, give_up_error, root_cause, worker_exception
 from unbroken.run.handle import Run
 from unbroken.store import manifest as mf
-from unbroken.store.checkpoint import Checkpoint
-from unbroken.store.commit import Marker, checkpoint_name, round_name
-from unbroken.store.storage import split_run_url
+from unbroken.store.commit import Marker, round_name
 from unbroken.worker.async_save import PendingCommit, PendingCommits
 from unbroken.worker.protocol import (
     JIT_MESSAGES,
@@ -52,8 +52,7 @@ from unbroken.worker.protocol import (
     Staged,
     Validated,
 )
-from unbroken.worker.runner import PROBE, WorkerPayload
-from unbroken.worker.session import WorkerInfo
+from unbroken.worker.runner import PROBE
 
 log = logging.getLogger("unbroken")
 
@@ -80,7 +79,8 @@ class Controller:
 
     def __init__(self, trainer: Any, run: Run, restore_hint: str, group_factory: WorkerGroupFactory,
                  failure_policy: FailurePolicy | None = None,
-                 validation_runner: ValidationRunner | None = None) -> None:
+                 validation_runner: ValidationRunner | None = None,
+                 capacity: CapacityProbe | None = None) -> None:
         self.trainer = trainer
         self.group_factory = group_factory  # scaling -> a new WorkerGroup for each attempt
         self.run = run
@@ -104,6 +104,11 @@ class Controller:
         self._started = 0.0  # when the attempt's ranks were started
         self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
         self._saves = PendingCommits(run.reported)  # the attempt's asynchronous saves not committed yet
+        # An elastic run (num_workers=(min, max)): each attempt's size, from the engine's `capacity`.
+        self._elastic = (ElasticScaler(self.scaling, capacity or Unbounded())
+                         if self.scaling.elasticity_enabled else None)
+        self._placements: list[Placement] = []  # the attempt's ranks, by rank
+        self._failures: list[tuple[int, BaseException]] = []  # the attempt's failures, by rank
 
     @property
     def state(self) -> states.ControllerState:
@@ -136,7 +141,9 @@ class Controller:
     def _attempt(self) -> bool:
         """One attempt: True when the run finished, False when the workers should restart."""
         self._transition(states.Starting(self.run.manifest.attempt_count + 1))
-        resume = self.run.begin_attempt(self.scaling.num_workers)
+        self._placements, self._failures = [], []
+        elastic = self._size_attempt() if self._elastic is not None else None
+        resume = self.run.begin_attempt(self.scaling.num_workers, elastic)
         attempt = self.run.attempt.number
         if resume is not None:
             log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
@@ -147,7 +154,10 @@ class Controller:
             self._drive(group)
         except BaseException as error:
             if group is not None:
-                self._shut_downgive_up_error(group)
+                self._shut_down_failed(group)
+            if self._elastic is not None:
+                self._elastic.failed([(self._placements[r].node_id, bool(e.node_lost))
+                                      for r, e in self._failures if isinstance(e, WorkerDied)])
             if isinstance(error, LeaseLostError):
                 raise  # the run belongs to another driver now: write nothing more to it
             if self._gives_up(error, attempt):
@@ -160,22 +170,47 @@ class Controller:
             return False
         group.shutdown()
         if isinstance(self.state, states.Stopping) and self.state.stopped:
-            self._interrupted()
+            if self.state.resize_to is None:
+                self._interrupted()
+            self.run.end_attempt(mf.RESIZED)
+            self._transition(states.Resizing(attempt, self.state.resize_to))
+            return False
         self._validations.wait_all()  # the Result shows every checkpoint's validation ended
         self.run.end_attempt(mf.FINISHED)
         self.run.finish(mf.FINISHED)
         self._transition(states.Finished())
         return True
 
+    def _size_attempt(self) -> dict[str, Any]:
+        """An elastic run: size this attempt from what can be placed now (the previous group,
+        if kept warm, is released: its size may not be this one's). Returns the attempt's
+        record; ends the run as ERRORED when too few workers can be placed in time."""
+        if self._warm is not None:
+            self._warm.shutdown(kill=True)
+            self._warm = None
+        try:
+            self.scaling, record = self._elastic.next_attempt()
+        except InsufficientResourcesError as error:
+            self._transition(states.Errored(error))
+            self._record(self.run.finish, mf.ERRORED)
+            raise give_up_error(error, f"run {self.run.path!r} stopped: {first_line(error)}\n"
+                                f"The run and its checkpoints are kept; continue it with {self.restore_hint}"
+                                ) from error
+        log.info("run %s: %d workers (%s; %d placeable, at most %d)", self.run.path, self.scaling.num_workers,
+                 record["reason"], record["capacity"], self._elastic.sizing.max_workers)
+        return record
+
     def _start(self, group: WorkerGroup, resume: Marker | None, attempt: int) -> None:
         """Start the ranks of attempt `attempt` on `group`, resuming from `resume` if given."""
         self._cold = True
         probe = self.run.write_probe(PROBE) if group.spans_machines else None
-        group.start(functools.partial(self._payload, resume, probe))
+        self._placements = group.start(functools.partial(
+            rank_payload, self.run, self._worker_trainer, self.scaling, self._validations.config is not None,
+            resume, probe))
         self._started = time.monotonic()
         self._transition(states.Running(attempt))
 
-    def _shut_downgive_up_error(self, group: WorkerGroup) -> None:
+    def _shut_down_failed(self, group: WorkerGroup) -> None:
         """Kill a failed attempt's group; when it warmed up for a restart, keep what it prepared
         for the next group (replacing an older group kept warm)."""
         group.shutdown(kill=True, keep_warm=not self._cold)
@@ -228,11 +263,8 @@ class Controller:
         """The failure is final: when the ranks' TrainState can (`jit_checkpoint`), have a
         surviving rank save the last complete round, commit it as that round's checkpoint, and
         say in the attempt record what happened."""
-        jit = self._jit
-        if not jit.armed or jit.closed:
+        if not self._jit.armed or self._jit.closed:
             return
-        started = time.monotonic()
-        target, row = self._jit_target()
 
         def running() -> set[int]:
             return set(range(rounds.num_workers)) - rounds.failed - set(rounds.done)
@@ -242,61 +274,7 @@ class Controller:
                 self._take(group, rounds, failures, rank, message)
                 yield rank, message
 
-        saved = settle(jit, group, target, running, events)
-        record: dict[str, Any] = {"iteration": None}
-        if saved is not None and row is not None:
-            try:
-                self.run.commit_checkpoint(saved.iteration, [saved.files],
-                                           {**row, "checkpoint_dir_name": checkpoint_name(saved.iteration)})
-                record = {"iteration": saved.iteration, "rank": jit.saver,
-                          "seconds": round(time.monotonic() - started, 3)}
-                log.warning("run %s: rank %d saved iteration %d just in time; the next attempt resumes "
-                            "there", self.run.path, jit.saver, saved.iteration)
-            except StorageError as e:
-                jit.reasons.append(f"the commit failed: {e}")
-        if record["iteration"] is None:
-            record["why_not"] = "; ".join(jit.reasons) or "every rank died before it could offer"
-            log.warning("run %s: no just-in-time checkpoint (%s); the next attempt resumes from the "
-                        "latest periodic one", self.run.path, record["why_not"])
-        self.run.attempt.jit_checkpoint = record
-
-    def _jit_target(self) -> tuple[int | None, dict | None]:
-        """(the iteration a just-in-time checkpoint may save, its round's row): the last round
-        this attempt completed, when it is newer than the latest checkpoint and has none of its
-        own; (None, None) otherwise, with the reason noted."""
-        row = self.run.history.last
-        if row is None or row.get("attempt") != self.run.attempt.number:
-            self._jit.reasons.append("no report round was completed in this attempt")
-            return None, None
-        iteration = row["training_iteration"]
-        latest = self.run.checkpoints.latest
-        if row.get("checkpoint_dir_name"):
-            self._jit.reasons.append(f"round {iteration} has a checkpoint of its own")
-        elif latest is not None and latest.iteration >= iteration:
-            self._jit.reasons.append(f"checkpoint {latest.name} is as new as round {iteration}")
-        else:
-            return iteration, row
-        return None, None
-
-    def _payload(self, resume: Marker | None, probe: str | None, placement: Placement) -> WorkerPayload:
-        run, scaling = self.run, self.scaling
-        checkpoint = None
-        if resume is not None:
-            checkpoint = Checkpoint(run.storage.url(resume.name), run.storage.filesystem_arg)
-        elif self.trainer.resume_from_checkpoint is not None:
-            checkpoint = self.trainer.resume_from_checkpoint
-        info = WorkerInfo(
-            world_rank=placement.rank, world_size=scaling.num_workers, local_rank=placement.local_rank,
-            local_world_size=placement.local_world_size, node_rank=placement.node_rank,
-            experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
-            attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
-            checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
-            cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
-            node_address=placement.node_address, probe=probe, env=faults.carried_env(),
-            validates=self._validations.config is not None,
-            **getattr(self.trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
-        info.env.update(self.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
-        return WorkerPayload(info=info, trainer=self._worker_trainer)
+        self.run.attempt.jit_checkpoint = commit_just_in_time(self.run, self._jit, group, running, events)
 
     def _drive(self, group: WorkerGroup) -> None:
         """Process worker messages until every worker is done; raise on any failure.
@@ -312,6 +290,7 @@ class Controller:
         self._jit = Coordinator()
         self._collectives = CollectiveCalls(self.scaling.num_workers)
         failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
+        self._failures = failures
         failed_at = 0.0
         signals = 0
         hang_s = self.run_config.failure_config.hang_timeout_s
@@ -319,6 +298,8 @@ class Controller:
             while not rounds.all_done:
                 self.run.lease.beat()
                 signals = self._take_signals(signals)
+                if self._elastic is not None and isinstance(self.state, states.Running) and not failures:
+                    self._grow_when_possible()
                 now = time.monotonic()
                 timeout = POLL_S
                 if failures:
@@ -348,13 +329,22 @@ class Controller:
         finally:
             self._saves.close()  # the rounds behind a save that never committed
 
+    def _grow_when_possible(self) -> None:
+        """An elastic run below max_workers: when a check is due and more workers can be placed,
+        ask for a checkpoint at the next report and a stop after it (then a larger attempt)."""
+        target = self._elastic.grow_to()
+        if target is not None:
+            self._transition(states.Stopping(self.run.attempt.number, None, resize_to=target))
+            log.info("run %s: %d workers can be placed now; resizing from %d at the next report's "
+                     "checkpoint", self.run.path, target, self.scaling.num_workers)
+
     def _take_signals(self, seen: int) -> int:
         """React to SIGTERM/SIGINT received since `seen` of them: the first asks for a
         checkpoint and a stop (STOPPING), another one stops at once. Returns the count."""
         count = self.interrupts.count  # once: another signal may land while this one is logged
         if count <= seen:
             return seen
-        if count > 1 or isinstance(self.state, states.Stopping):
+        if count > 1 or (isinstance(self.state, states.Stopping) and self.state.signal is not None):
             log.warning("run %s: %s again: stopping the workers now", self.run.path,
                         self.interrupts.signal_name)
             self._transition(states.Interrupted(self.interrupts.signal_name))
@@ -415,7 +405,10 @@ class Controller:
         pending = {r for r, m in by_rank.items() if m.pending}  # still writing in the background
         saved = bool(staged or pending)
         name = round_name(iteration, {r: by_rank[r].name for r in staged.keys() | pending})  # of those saving
-        row = self.run.record(iteration, by_rank[0].metrics, name if saved else None)
+        metrics = by_rank[0].metrics
+        if self._elastic is not None:  # an elastic run's rows say how many workers made them
+            metrics = {**metrics, "world_size": self.scaling.num_workers}
+        row = self.run.record(iteration, metrics, name if saved else None)
         metrics = [by_rank[r].metrics for r in sorted(by_rank)]
         validation = next((by_rank[r].validation for r in sorted(by_rank) if by_rank[r].validation), None)
         self._settle_checkpoint(group, rounds, PendingCommit(iteration, name, row, metrics, staged, pending,

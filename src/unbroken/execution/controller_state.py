@@ -8,6 +8,8 @@ between them only through `Controller._transition`, which checks each move with
   from Stopping, when they end before the checkpoint asked for).
 - Running -> Stopping -> Interrupted: a first SIGTERM/SIGINT asks the workers for a checkpoint,
   then stops them (a second signal stops them at once, from Running or Stopping).
+- Running -> Stopping -> Resizing -> Starting: an elastic run can grow; the workers checkpoint
+  at their next report and stop, and the next attempt starts larger (not a failure).
 - Starting, Running or Stopping -> Restarting -> Starting: a failure the policy retries.
 - Starting, Running or Stopping -> Errored: a failure the policy gives up on.
 - Starting or Restarting -> Interrupted: a signal seen between attempts.
@@ -54,9 +56,11 @@ class Running(ControllerState):
 class Stopping(ControllerState):
     """Preemption: `signal` (SIGTERM/SIGINT) reached the driver during attempt `attempt`; the
     workers are asked for a checkpoint, then told to stop (see `unbroken.execution.preemption`).
+    Or an elastic resize (`resize_to` workers, no signal): the same checkpoint and stop.
 
     `asked_at`: the round whose reply asked for the checkpoint (None until a round completed);
-    `stopped`: a later round's reply told the workers to stop, so the attempt ends INTERRUPTED.
+    `stopped`: a later round's reply told the workers to stop, so the attempt ends INTERRUPTED
+    (RESIZED for a resize).
     """
 
     name: ClassVar[str] = "STOPPING"
@@ -64,6 +68,7 @@ class Stopping(ControllerState):
     signal: str | None
     asked_at: int | None = None
     stopped: bool = False
+    resize_to: int | None = None
 
     def asking_at(self, iteration: int) -> Stopping:
         """This state once round `iteration`'s reply asked the workers for a checkpoint."""
@@ -82,6 +87,16 @@ class Restarting(ControllerState):
     name: ClassVar[str] = "RESTARTING"
     attempt: int
     error: Exception
+
+
+@dataclass(frozen=True)
+class Resizing(ControllerState):
+    """Attempt `attempt` of an elastic run stopped at a checkpoint so that the next one runs on
+    `to` workers: a resize, not a failure."""
+
+    name: ClassVar[str] = "RESIZING"
+    attempt: int
+    to: int
 
 
 @dataclass(frozen=True)
@@ -123,8 +138,9 @@ class Errored(ControllerState):
 _NEXT: dict[type[ControllerState], tuple[type[ControllerState], ...]] = {
     Starting: (Starting, Running, Restarting, Errored, Interrupted),
     Running: (Stopping, Finished, Restarting, Errored, Interrupted),
-    Stopping: (Stopping, Finished, Restarting, Errored, Interrupted),
+    Stopping: (Stopping, Finished, Restarting, Errored, Interrupted, Resizing),
     Restarting: (Starting, Interrupted),
+    Resizing: (Starting, Interrupted),
     Finished: (),
     Interrupted: (),
     Errored: (),

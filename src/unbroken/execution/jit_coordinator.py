@@ -1,17 +1,22 @@
 """Just-in-time checkpoints, the driver's half (steps 4 and 5 of the protocol in
 `unbroken.worker.jit`, whose docstring has it whole): once a failure is final, choose the
 saver among the ranks' offers, wait within bounds for its save, and hand the controller what
-it staged to commit. The controller calls `settle` (`Controller._save_just_in_time`).
+it staged to commit. The controller calls `commit_just_in_time` (`Controller._save_just_in_time`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from unbroken.errors import WorkerDied
+from unbroken.errors import StorageError, WorkerDied
+from unbroken.run.handle import Run
+from unbroken.store.commit import checkpoint_name
 from unbroken.worker.protocol import JitArmed, JitOffer, JitSave, JitSaved
+
+log = logging.getLogger("unbroken")
 
 # How long the driver waits for the ranks still running to offer once the failure is final.
 OFFER_WAIT_S = 2.0
@@ -73,6 +78,23 @@ class Coordinator:
             return None if self.saved is not None or self.saver in self.dead else "save"
         return "offers" if running & self.armed else None
 
+    def target(self, row: dict[str, Any] | None, attempt: int, latest_iteration: int | None,
+               latest_name: str | None) -> int | None:
+        """The iteration a just-in-time checkpoint may save, given the run's last row and its
+        latest checkpoint: the last round attempt `attempt` completed, when it is newer than
+        the latest checkpoint and has none of its own; None otherwise, with the reason noted."""
+        if row is None or row.get("attempt") != attempt:
+            self.reasons.append("no report round was completed in this attempt")
+            return None
+        iteration = row["training_iteration"]
+        if row.get("checkpoint_dir_name"):
+            self.reasons.append(f"round {iteration} has a checkpoint of its own")
+        elif latest_iteration is not None and latest_iteration >= iteration:
+            self.reasons.append(f"checkpoint {latest_name} is as new as round {iteration}")
+        else:
+            return iteration
+        return None
+
     def close(self, group: Any) -> None:
         """Settled: every rank still waiting for a word is told not to save."""
         self.closed = True
@@ -111,3 +133,31 @@ def settle(coordinator: Coordinator, group: Any, target: int | None, running: Ca
         coordinator.reasons.append(f"rank {coordinator.saver} could not save: {saved.error}")
         return None
     return saved
+
+
+def commit_just_in_time(run: Run, coordinator: Coordinator, group: Any, running: Callable[[], set[int]],
+                        events: Callable[[float], Iterator[tuple[int, Any]]]) -> dict[str, Any]:
+    """The failure of the current attempt of `run` is final: have a surviving rank save the
+    last complete round (`settle`), commit it as that round's checkpoint, and return what
+    happened for the attempt record (`Attempt.jit_checkpoint`)."""
+    started = time.monotonic()
+    row, latest = run.history.last, run.checkpoints.latest
+    target = coordinator.target(row, run.attempt.number, latest.iteration if latest else None,
+                                latest.name if latest else None)
+    saved = settle(coordinator, group, target, running, events)
+    record: dict[str, Any] = {"iteration": None}
+    if saved is not None and target is not None:
+        try:
+            run.commit_checkpoint(saved.iteration, [saved.files],
+                                  {**row, "checkpoint_dir_name": checkpoint_name(saved.iteration)})
+            record = {"iteration": saved.iteration, "rank": coordinator.saver,
+                      "seconds": round(time.monotonic() - started, 3)}
+            log.warning("run %s: rank %d saved iteration %d just in time; the next attempt resumes "
+                        "there", run.path, coordinator.saver, saved.iteration)
+        except StorageError as e:
+            coordinator.reasons.append(f"the commit failed: {e}")
+    if record["iteration"] is None:
+        record["why_not"] = "; ".join(coordinator.reasons) or "every rank died before it could offer"
+        log.warning("run %s: no just-in-time checkpoint (%s); the next attempt resumes from the "
+                    "latest periodic one", run.path, record["why_not"])
+    return record

@@ -31,7 +31,7 @@ log = logging.getLogger("unbroken")
 STATE_DIR = f"{META_DIR}/callbacks"
 # Fields every row carries that are bookkeeping rather than measurements.
 BOOKKEEPING = frozenset({"training_iteration", "iterations_since_restore", "time_since_restore",
-                         "timestamp", "attempt", "checkpoint_dir_name"})
+                         "timestamp", "attempt", "checkpoint_dir_name", "world_size"})
 
 
 class ObservedRun(Protocol):

@@ -59,8 +59,9 @@ class Run:
         return token
 
     # -- attempts -----------------------------------------------------------------------
-    def begin_attempt(self, num_workers: int) -> Marker | None:
-        """Start a new attempt from the newest committed checkpoint; returns its marker."""
+    def begin_attempt(self, num_workers: int, elastic: dict[str, Any] | None = None) -> Marker | None:
+        """Start a new attempt from the newest committed checkpoint; returns its marker.
+        `elastic`: why an elastic run's attempt has this size (Attempt.elastic)."""
         self.lease.beat()
         resume = self.checkpoints.recover()
         self.checkpoints.retain()
@@ -71,7 +72,7 @@ class Run:
         self.attempt = Attempt(number=self.manifest.attempt_count + 1, started_at=time.time(),
                                resumed_from=resume.name if resume else None,
                                resumed_iteration=resume.iteration if resume else 0,
-                               num_workers=num_workers, config_change=self.config_change)
+                               num_workers=num_workers, config_change=self.config_change, elastic=elastic)
         self.config_change = None  # a restart within this fit() changes nothing more
         self.manifest.attempts.append(self.attempt)
         self.manifest.status = mf.RUNNING

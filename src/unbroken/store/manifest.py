@@ -35,6 +35,7 @@ RUN_FILES = (RUN_JSON, RUN_PREV_JSON)  # current and previous generation
 
 RUNNING, FINISHED, ERRORED, INTERRUPTED = "RUNNING", "FINISHED", "ERRORED", "INTERRUPTED"
 ABORTED = "ABORTED"  # an attempt whose driver died (e.g. SIGKILL) before it could record an end
+RESIZED = "RESIZED"  # an attempt of an elastic run that stopped at a checkpoint to grow
 
 
 @dataclass
@@ -57,6 +58,10 @@ class Attempt:
     # {"iteration": 6, "rank": 0, "seconds": 0.05}, or {"iteration": None, "why_not": "..."}
     # (see unbroken.worker.jit). Only in run.json when there is one.
     jit_checkpoint: dict[str, Any] | None = None
+    # In an elastic run (ScalingConfig(num_workers=(min, max))), why this attempt has the size
+    # it has: {"reason": "node lost", "capacity": 2, "previous": 3}; reasons: "start", "rank lost",
+    # "node lost", "failure", "capacity returned". Only in run.json for elastic runs.
+    elastic: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:
@@ -96,7 +101,7 @@ class RunManifest(Manifest):
     def to_bytes(self) -> bytes:
         raw = self.to_dict()
         for attempt in raw["attempts"]:
-            for optional in ("config_change", "jit_checkpoint"):
+            for optional in ("config_change", "jit_checkpoint", "elastic"):
                 if attempt[optional] is None:
                     del attempt[optional]
         return json.dumps(raw, indent=1, sort_keys=True, default=repr).encode()

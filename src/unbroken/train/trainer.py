@@ -14,7 +14,7 @@ from unbroken.core.config import RunConfig, ScalingConfig, generated_name
 from unbroken.core.validation_config import ValidationConfig
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.execution.controller import Controller
-from unbroken.execution.engine.factory import make_worker_group
+from unbroken.execution.engine.factory import capacity_probe, make_worker_group
 from unbroken.execution.failure_policy import FailurePolicy
 from unbroken.execution.validations import validation_runner
 from unbroken.observe.progress import ProgressReporter
@@ -84,7 +84,9 @@ class BaseTrainer:
         run.callbacks = callbacks.bind(run)
         Controller(self, run, hint, group_factory=make_worker_group,
                    failure_policy=FailurePolicy(self.run_config.failure_config),
-                   validation_runner=validation_runner(self.scaling_config)).execute()
+                   validation_runner=validation_runner(self.scaling_config),
+                   capacity=capacity_probe(self.scaling_config) if self.scaling_config.elasticity_enabled
+                   else None).execute()
         self._restore_overrides = frozenset()  # applied; a second fit() returns the stored result
         return Result.from_path(run.path, self.run_config.storage_filesystem)
 

@@ -84,7 +84,7 @@ def cpus_per_trial(trainable: Any) -> float:
         return 1.0
     scaling = trainable.scaling_config
     per_worker = (scaling.resources_per_worker or {}).get("CPU") or 1
-    return float(scaling.num_workers * per_worker)
+    return float(scaling.max_workers * per_worker)  # an elastic trial may grow to its most
 
 
 def _merge(base: Any, override: Any) -> Any:

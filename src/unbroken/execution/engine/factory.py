@@ -60,6 +60,16 @@ def check_can_run(scaling: ScalingConfig) -> None:
                 "machine with a CUDA GPU (and check CUDA_VISIBLE_DEVICES)")
 
 
+def capacity_probe(scaling: ScalingConfig):
+    """How an elastic run of `scaling` learns how many workers could be placed now (see
+    `elastic.CapacityProbe`); None on the local engine, where every attempt gets max_workers."""
+    if resolve_engine(scaling) == "ray":
+        from unbroken.execution.engine.ray_capacity import RayCapacity
+
+        return RayCapacity(scaling)
+    return None
+
+
 def make_worker_group(scaling: ScalingConfig, warm=None):
     """A new worker group for one attempt of a run with `scaling`; `warm`: the previous
     attempt's group, which warmed up for this restart (see `engine.base.WorkerGroupFactory`)."""

@@ -1,0 +1,39 @@
+"""What one rank of an attempt is given to run: its `WorkerInfo` (rank, world, node, the
+run's storage, the checkpoint to resume from) and the trainer whose loop it runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unbroken.core import faults
+from unbroken.core.config import ScalingConfig
+from unbroken.execution.engine.base import Placement
+from unbroken.run.handle import Run
+from unbroken.store.checkpoint import Checkpoint
+from unbroken.store.commit import Marker
+from unbroken.store.storage import split_run_url
+from unbroken.worker.runner import WorkerPayload
+from unbroken.worker.session import WorkerInfo
+
+
+def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool, resume: Marker | None,
+                 probe: str | None, placement: Placement) -> WorkerPayload:
+    """The payload of the rank at `placement` in the current attempt of `run`, resuming from
+    `resume` (else the trainer's `resume_from_checkpoint`); `scaling`: the attempt's size;
+    `probe`: the token ranks on other nodes read back to check that they share storage."""
+    checkpoint = None
+    if resume is not None:
+        checkpoint = Checkpoint(run.storage.url(resume.name), run.storage.filesystem_arg)
+    elif trainer.resume_from_checkpoint is not None:
+        checkpoint = trainer.resume_from_checkpoint
+    info = WorkerInfo(
+        world_rank=placement.rank, world_size=scaling.num_workers, local_rank=placement.local_rank,
+        local_world_size=placement.local_world_size, node_rank=placement.node_rank,
+        experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
+        attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
+        checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
+        cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
+        node_address=placement.node_address, probe=probe, env=faults.carried_env(), validates=validates,
+        **getattr(trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
+    info.env.update(trainer.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
+    return WorkerPayload(info=info, trainer=trainer)

@@ -1,0 +1,185 @@
+"""Elastic training (`ScalingConfig(num_workers=(min_workers, max_workers))`): each attempt's
+size from what can be placed, a shrink at once after a lost node, a grow at a checkpoint when
+capacity returns, none of it counted as a failure. The controller is driven here by a fake
+worker group and a scripted capacity probe; test_ray_engine.py runs it on a real Ray cluster."""
+
+import json
+import os
+
+import pytest
+
+from fake_group import FakeWorkerGroup, call, lose_node, report
+from unbroken.execution.controller import Controller
+from unbroken.execution.elastic import ElasticSizing, wait_for_capacity
+from unbroken.train import DataParallelTrainer, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+from unbroken.train.open_run import open_run
+
+
+def never_called(config):
+    raise AssertionError("a fake group runs no training loop")
+
+
+class Probe:
+    """A capacity probe over a pretend cluster: `total` workers fit on the live nodes, and the
+    run's current group holds `held` of them."""
+
+    timeout_s = 0.3
+
+    def __init__(self, total):
+        self.total = total
+        self.held = 0
+        self.lost_nodes_seen = []
+
+    def __call__(self, lost_nodes, limit):
+        self.lost_nodes_seen.append(set(lost_nodes))
+        return max(0, min(self.total - self.held, limit))
+
+
+class ElasticHarness:
+    def __init__(self, storage, scripts_by_size, probe, num_workers=(2, 3), max_failures=1, **run_config):
+        self.scripts_by_size = scripts_by_size  # size -> a list of per-attempt rank scripts
+        self.probe = probe
+        self.groups = []
+        trainer = DataParallelTrainer(
+            never_called, scaling_config=ScalingConfig(num_workers=num_workers,
+                                                       elastic_resize_monitor_interval_s=1e-3),
+            run_config=RunConfig(name="run", storage_path=storage, verbose=0,
+                                 failure_config=FailureConfig(max_failures=max_failures), **run_config))
+        self.run, _ = open_run(trainer)
+        self.controller = Controller(trainer, self.run, "restore(...)", group_factory=self.group,
+                                     capacity=probe)
+        self.path = self.run.path
+
+    def group(self, scaling, warm=None):
+        g = FakeWorkerGroup(self.scripts_by_size[scaling.num_workers].pop(0))
+        self.groups.append(g)
+        self.probe.held = scaling.num_workers
+        shutdown = g.shutdown
+
+        def released(kill=False, keep_warm=False):
+            shutdown(kill, keep_warm)
+            self.probe.held = 0
+        g.shutdown = released
+        return g
+
+    def rows(self):
+        with open(os.path.join(self.path, "result.json")) as f:
+            return [json.loads(line) for line in f]
+
+    def attempts(self):
+        with open(os.path.join(self.path, ".unbroken", "run.json")) as f:
+            return json.load(f)["attempts"]
+
+
+def reports(first, last, checkpoint_from=None):
+    return [report(checkpoint=checkpoint_from is not None and it >= checkpoint_from, it=it)
+            for it in range(first, last + 1)]
+
+
+def test_a_lost_node_shrinks_at_once_and_returning_capacity_grows_at_a_checkpoint(storage):
+    probe = Probe(total=3)
+
+    def node(total):
+        return call(lambda: setattr(probe, "total", total))
+
+    survivor = reports(1, 2, checkpoint_from=2) + reports(3, 3)
+    scripts = {
+        3: [[survivor, survivor, reports(1, 2, checkpoint_from=2) + [node(2), lose_node()]],
+            [reports(1, 50)] * 3],
+        2: [[reports(3, 4) + [node(3)] + reports(5, 50, checkpoint_from=5)] * 2],
+    }
+    h = ElasticHarness(storage, scripts, probe, stop={"training_iteration": 10})
+    h.controller.execute()
+    attempts = h.attempts()
+    assert [a["status"] for a in attempts] == ["ERRORED", "RESIZED", "FINISHED"]
+    assert [a["num_workers"] for a in attempts] == [3, 2, 3]
+    assert [a["elastic"]["reason"] for a in attempts] == ["start", "node lost", "capacity returned"]
+    rows = h.rows()
+    assert [r["training_iteration"] for r in rows if r["attempt"] == 2][0] == 3, "resumed at checkpoint 2"
+    timeline = {}
+    for r in rows:
+        timeline[r["training_iteration"]] = r  # the later attempt's row wins, as in the history
+    assert sorted(timeline) == list(range(1, 11))
+    resize_at = attempts[2]["resumed_iteration"]
+    assert attempts[1]["resumed_iteration"] == 2 and resize_at >= 5
+    assert [r["world_size"] for r in rows if r["attempt"] == 2] == [2] * (resize_at - 2), \
+        "attempt 2 ran on 2 workers up to the checkpoint the resize asked for"
+    assert all(r["world_size"] == 3 for r in rows if r["attempt"] == 3)
+    assert h.controller.policy.failures == 1, "the lost node counts as a failure; the resize does not"
+    assert probe.lost_nodes_seen[1] == {"fake-node"}, "the restart left the lost node out of its count"
+
+
+def test_below_min_workers_it_waits_then_fails_naming_what_is_missing(storage):
+    probe = Probe(total=1)
+    h = ElasticHarness(storage, {}, probe)
+    with pytest.raises(TrainingFailedError, match=r"needs at least 2 workers, and only 1 could be placed "
+                                                  r"within 0.3 s \(each worker needs \{'CPU': 1.0\}\)"):
+        h.controller.execute()
+    assert len(probe.lost_nodes_seen) >= 2, "it polled for capacity while it waited"
+    with open(os.path.join(h.path, ".unbroken", "run.json")) as f:
+        assert json.load(f)["status"] == "ERRORED"
+
+
+def test_a_first_start_waits_a_little_for_more_then_takes_what_is_there(storage, monkeypatch):
+    monkeypatch.setattr("unbroken.execution.elastic.START_WAIT_S", 0.2)
+    probe = Probe(total=2)
+    h = ElasticHarness(storage, {2: [[reports(1, 3)] * 2]}, probe, stop={"training_iteration": 3})
+    h.controller.execute()
+    assert [(a["num_workers"], a["elastic"]) for a in h.attempts()] == [
+        (2, {"reason": "start", "capacity": 2, "previous": None})]
+    assert len(probe.lost_nodes_seen) >= 2, "it looked again before settling for fewer than max_workers"
+
+
+def test_wait_for_capacity_takes_max_at_once_min_after_the_wait_and_gives_up_after_the_timeout():
+    sizing = ElasticSizing(min_workers=2, max_workers=4, interval_s=60)
+    now = [0.0]
+
+    def wait(seen, more_s=5.0, timeout_s=60.0):
+        now[0] = 0.0
+        seen = iter(seen)
+        return wait_for_capacity(sizing, lambda: next(seen), more_s=more_s, timeout_s=timeout_s,
+                                 clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+
+    assert wait([4]) == (4, 4)
+    assert wait([9]) == (4, 9), "never more than max_workers"
+    assert wait([2] * 10 + [3] * 20) == (3, 3), "after the wait for more, what is there"
+    assert wait([2, 2, 4]) == (4, 4), "more came during the wait"
+    assert wait([1] * 200, timeout_s=3.0) == (None, 1)
+    assert wait([2], more_s=0.0) == (2, 2), "a restart does not wait for more"
+
+
+def test_growth_checks_come_once_an_interval_and_only_below_max_workers():
+    sizing = ElasticSizing(min_workers=1, max_workers=3, interval_s=60)
+    sizing.started(100.0)
+    assert not sizing.check_due(159.0, current=2)
+    assert sizing.check_due(160.0, current=2)
+    assert sizing.grow_to(160.0, current=2, capacity=2) is None
+    assert not sizing.check_due(200.0, current=2), "the next check is an interval after the last"
+    assert sizing.grow_to(221.0, current=2, capacity=5) == 3
+    assert not sizing.check_due(10_000.0, current=3), "at max_workers nothing is checked"
+
+
+@pytest.mark.parametrize("num_workers", [(0, 2), (3, 2), (1, 2, 3), (1.5, 2), (True, 2), ()])
+def test_a_bad_worker_range_is_refused_with_a_hint(num_workers):
+    with pytest.raises(ValueError, match=r"min_workers <= max_workers.*Hint: num_workers=\(2, 4\)"):
+        ScalingConfig(num_workers=num_workers)
+
+
+def test_a_bad_monitor_interval_is_refused():
+    with pytest.raises(ValueError, match="elastic_resize_monitor_interval_s must be > 0"):
+        ScalingConfig(num_workers=(1, 2), elastic_resize_monitor_interval_s=0)
+
+
+def test_on_the_local_engine_an_elastic_run_takes_max_workers_and_rows_carry_the_world_size(storage):
+    from toy_loops import toy_loop
+
+    scaling = ScalingConfig(num_workers=[1, 2])
+    assert (scaling.num_workers, scaling.min_workers, scaling.max_workers) == ((1, 2), 1, 2)
+    result = DataParallelTrainer(toy_loop, train_loop_config={"iterations": 4, "fail_at": [[3, 1]]},
+                                 scaling_config=scaling, run_config=RunConfig(
+                                     name="local", storage_path=storage, verbose=0,
+                                     failure_config=FailureConfig(max_failures=1))).fit()
+    assert [(r["training_iteration"], r["world_size"]) for r in result.rows] == [(i, 2) for i in range(1, 5)]
+    with open(os.path.join(result.path, ".unbroken", "run.json")) as f:
+        attempts = json.load(f)["attempts"]
+    assert [(a["num_workers"], a["elastic"]["reason"]) for a in attempts] == [(2, "start"), (2, "failure")]
