@@ -7,6 +7,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 
 import torch
 
@@ -34,7 +35,9 @@ def linear_loop(config: dict) -> None:
     forever, or with `hang_by_sigstop` stops its process (SIGSTOP; after a SIGCONT it goes on),
     after writing its pid to the file `hang_marker`, if given; print progress lines with `echo`;
     on_request: also checkpoint when asked to; rank_files: every rank's checkpoint holds a
-    file rank<r>.json saying its attempt and iteration (rank 0's also holds the state).
+    file rank<r>.json saying its attempt and iteration (rank 0's also holds the state);
+    signal_at=(iteration, attempt): rank 0 writes "<iteration>" to the FIFO `signal_marker` after
+    that report and goes on; step_s: each step takes at least this long (a slower model).
     """
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -86,6 +89,11 @@ def linear_loop(config: dict) -> None:
             train.report(metrics)
         if config.get("echo") and rank == 0:
             print(f"REPORTED {it}", flush=True)
+        if tuple(config.get("signal_at") or ()) == (it, ctx.get_attempt()) and rank == 0:
+            with open(config["signal_marker"], "w") as f:
+                f.write(str(it))
+        if config.get("step_s"):
+            time.sleep(config["step_s"])
         if config.get("block_fifo") and rank == 0 and it == config.get("block_at", 1):
             print("BLOCKING", flush=True)
             with open(config["block_fifo"]) as f:

@@ -316,6 +316,69 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
     assert node_id not in {r["node_id"] for r in placements(str(tmp_path), 2)}
 
 
+def node_named(name: str) -> str | None:
+    return next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and name in n["Resources"]), None)
+
+
+def test_an_elastic_run_shrinks_at_once_on_a_lost_node_and_grows_back_when_one_returns(
+        cluster, storage, tmp_path):
+    """num_workers=(2, 3) on three 1-CPU nodes: a node is removed mid-run and no node replaces it,
+    so the run goes on with 2 workers at once; a node is added later and the run grows to 3
+    within the monitor interval and a report. Each iteration once, every row's world size."""
+    _add_node(cluster, "node_c", cluster.node_env)
+    cluster.wait_for_nodes()
+    lost_marker, running_marker = str(tmp_path / "lost"), str(tmp_path / "shrunk")
+    lost_fifo, running_fifo = marker_fifo(lost_marker), marker_fifo(running_marker)
+    driver = start_script(f"""
+from ray_loops import placed_loop
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+result = TorchTrainer(placed_loop, train_loop_config={{
+        "iterations": 60, "dir": {str(tmp_path)!r}, "ckpt_every": 2, "on_request": True, "step_s": 0.1,
+        "hang_at": [5, 1], "hang_marker": {lost_marker!r},
+        "signal_at": [9, 2], "signal_marker": {running_marker!r}}},
+    scaling_config=ScalingConfig(num_workers=(2, 3), engine="ray", elastic_resize_monitor_interval_s=2),
+    run_config=RunConfig(name="elastic", storage_path={storage!r}, verbose=0,
+                         failure_config=FailureConfig(max_failures=1, hang_timeout_s=120))).fit()
+print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
+""", RAY_ADDRESS=cluster.address)
+    try:
+        read_marker(lost_fifo, driver, "rank 2 to block at iteration 5")
+        lost = placements_of(str(tmp_path), 1, 3)[2]["node_id"]
+        name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == lost)
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == lost),
+                            allow_graceful=False)
+        read_marker(running_fifo, driver, "attempt 2 to reach iteration 9")
+        added_at = time.time()
+        _add_node(cluster, name, {**cluster.node_env, **({OTHER_ROOT: cluster.other_root} if name == "node_b"
+                                                         else {})})
+        out, err = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        extra = node_named("node_c")
+        if extra is not None:
+            cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == extra),
+                                allow_graceful=False)
+    assert driver.returncode == 0, err
+    assert printed_rows(out) == list(range(1, 61)), "each iteration once"
+    path = os.path.join(storage, "elastic")
+    first, second, third = attempts_at(path)
+    assert (first["status"], first["num_workers"], first["elastic"]["reason"]) == ("ERRORED", 3, "start")
+    assert "lost with its node" in first["error"]
+    assert (second["status"], second["num_workers"], second["elastic"]["reason"]) == (
+        "RESIZED", 2, "node lost")
+    assert second["started_at"] < added_at, "it shrank without waiting for a node"
+    assert lost not in {p["node_id"] for p in placements_of(str(tmp_path), 2, 2)}
+    assert (third["status"], third["num_workers"], third["elastic"]["reason"]) == (
+        "FINISHED", 3, "capacity returned")
+    assert third["resumed_iteration"] >= 9 and third["started_at"] - added_at < 2 + 30
+    rows = Result.from_path(path).metrics_dataframe
+    sizes = dict(zip(rows["training_iteration"], rows["world_size"], strict=True))
+    assert {sizes[i] for i in range(second["resumed_iteration"] + 1, third["resumed_iteration"] + 1)} == {2}
+    assert {sizes[i] for i in range(third["resumed_iteration"] + 1, 61)} == {3}
+
+
 @pytest.mark.slow  # 30 s; preemption is covered locally (test_preemption), kills on Ray by the harness
 def test_preempted_then_killed_driver_leaves_no_actor_and_restore_from_another_process_finishes(
         cluster, storage, tmp_path):
