@@ -183,3 +183,65 @@ def test_on_the_local_engine_an_elastic_run_takes_max_workers_and_rows_carry_the
     with open(os.path.join(result.path, ".unbroken", "run.json")) as f:
         attempts = json.load(f)["attempts"]
     assert [(a["num_workers"], a["elastic"]["reason"]) for a in attempts] == [(2, "start"), (2, "failure")]
+
+
+def _batch_run(storage, directory, name, sizes, stop_at):
+    """Run batch_loop on sizes[0] workers, then restore it on each next size after the loop
+    stopped itself (stop_at: the step where each attempt stops)."""
+    from elastic_loops import batch_loop
+    from unbroken.train.torch import TorchTrainer
+
+    config = {"global_batch": 12, "epochs": 2, "dir": directory, "stop_at": stop_at}
+    trainer = TorchTrainer(batch_loop, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=sizes[0]),
+                           run_config=RunConfig(name=name, storage_path=storage, verbose=0))
+    for size in sizes[1:]:
+        with pytest.raises(TrainingFailedError, match="to change the number of workers"):
+            trainer.fit()
+        trainer = TorchTrainer.restore(os.path.join(storage, name),
+                                       scaling_config=ScalingConfig(num_workers=size))
+    return trainer.fit()
+
+
+def _weights(result):
+    import torch
+
+    with result.checkpoint.as_directory() as d:
+        saved = torch.load(os.path.join(d, "train_state.pt"), weights_only=True)
+    return saved["state_dicts"]["model"]
+
+
+def test_a_run_whose_world_size_changes_sees_each_sample_once_per_epoch_at_the_same_global_batch(
+        storage, tmp_path):
+    """3 workers to step 5, 2 to step 11, 3 to the end (16 steps of 12 samples in 2 epochs):
+    mid-epoch shrinking and growing. Each sample once per epoch, 12 samples a step throughout,
+    every step once; the same resizes at the same steps end bit for bit equal, and the loss
+    stays within a float-order tolerance of the run that kept 3 workers."""
+    import torch
+
+    runs = {}
+    for name in ("resized", "resized-again", "fixed"):
+        directory = tmp_path / name
+        directory.mkdir()
+        sizes, stops = ([3], {}) if name == "fixed" else ([3, 2, 3], {"1": 5, "2": 11})
+        runs[name] = (_batch_run(storage, str(directory), name, sizes, stops), directory)
+    result, directory = runs["resized"]
+    rows = result.rows
+    assert [r["training_iteration"] for r in rows] == list(range(1, 17)), "every step once"
+    assert {r["samples"] for r in rows} == {12}, "the global batch did not change with the world size"
+    seen = {0: [], 1: []}
+    for path in directory.glob("ids-a*-r*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            seen[entry["epoch"]].extend(entry["ids"])
+    assert {e: sorted(ids) for e, ids in seen.items()} == {0: list(range(96)), 1: list(range(96))}, \
+        "each sample exactly once per epoch across 3, 2 and 3 workers"
+    assert sorted(p.name for p in directory.glob("ids-*")) == [
+        "ids-a1-r0.jsonl", "ids-a1-r1.jsonl", "ids-a1-r2.jsonl", "ids-a2-r0.jsonl", "ids-a2-r1.jsonl",
+        "ids-a3-r0.jsonl", "ids-a3-r1.jsonl", "ids-a3-r2.jsonl"]
+    again = _weights(runs["resized-again"][0])
+    assert all(torch.equal(v, again[k]) for k, v in _weights(result).items()), \
+        "two runs that resize at the same steps are equal bit for bit"
+    fixed = [r["loss"] for r in runs["fixed"][0].rows]
+    assert [r["loss"] for r in rows] == pytest.approx(fixed, rel=1e-5), \
+        "only the order of the floating-point gradient sum differs from the fixed-size run"

@@ -288,7 +288,8 @@ def _why_not_resumable(loader: DataLoader, add_dist_sampler: bool, world_size: i
 
 def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
                         move_to_device: bool = True, *, seed: int | None = None,
-                        seed_per_sample: bool | None = None) -> ResumableDataLoader | DeviceDataLoader:
+                        seed_per_sample: bool | None = None,
+                        global_batch_size: int | None = None) -> ResumableDataLoader | DeviceDataLoader:
     """Give each rank its share of the data, in a resumable order, on its device.
 
     The loader's sampler becomes a `ResumableSampler`: one seeded permutation of the dataset
@@ -307,6 +308,12 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
     `num_workers=0` samples are fetched in the training process, whose generators TrainState
     saves, so an exact resume needs no per-sample seeding there.
 
+    `global_batch_size`: the samples one step takes across all ranks. Each rank's batches
+    then hold `global_batch_size / world_size` samples, whatever the DataLoader's
+    `batch_size`, so every optimizer step sees the same number of samples at any number of
+    workers: what an elastic run (`ScalingConfig(num_workers=(min, max))`) needs to stay the
+    same training when it resizes. It must be divisible by every world size the run takes.
+
     Returns a `ResumableDataLoader`, or a `DeviceDataLoader` (whose `why_not_resumable` says
     why) for loaders it cannot make resumable: an IterableDataset, a custom batch_sampler,
     `in_order=False`, or `add_dist_sampler=False`.
@@ -317,7 +324,11 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
                         "prepare_data_loader(DataLoader(dataset, batch_size=..., shuffle=True))")
     device = get_device() if move_to_device else torch.device("cpu")
     rank, world_size = worker_ranks()
+    per_rank = _per_rank_batch(global_batch_size, world_size)
     reason = _why_not_resumable(data_loader, add_dist_sampler, world_size)
+    if reason is not None and per_rank is not None:
+        raise ValueError(f"prepare_data_loader(global_batch_size=...) needs a loader it can make "
+                         f"resumable, and this one is not: {reason}")
     if reason is not None:
         data_loader.worker_init_fn = _worker_init_fn(data_loader)
         return DeviceDataLoader(data_loader, device, reason)
@@ -346,11 +357,26 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
     generator = torch.Generator()
     kwargs = loader_kwargs(data_loader)
     kwargs.update(worker_init_fn=_worker_init_fn(data_loader), generator=generator)
+    if per_rank is not None:
+        kwargs["batch_size"] = per_rank
     if seed_per_sample:
         loader = DataLoader(SeededDataset(dataset, seed), sampler=KeyedSampler(sampler), **kwargs)
     else:
         loader = DataLoader(dataset, sampler=sampler, **kwargs)
     return ResumableDataLoader(loader, sampler, dataset, device, generator)
+
+
+def _per_rank_batch(global_batch_size: int | None, world_size: int) -> int | None:
+    if global_batch_size is None:
+        return None
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"prepare_data_loader(global_batch_size={global_batch_size!r}) must be an int >= 1")
+    if global_batch_size % world_size:
+        raise ValueError(
+            f"prepare_data_loader(global_batch_size={global_batch_size}) cannot be shared out evenly "
+            f"among {world_size} workers. Hint: pick a global batch size divisible by every world size "
+            "the run takes, e.g. a multiple of the least common multiple of min_workers..max_workers")
+    return global_batch_size // world_size
 
 
 def loader_kwargs(loader: DataLoader) -> dict[str, Any]:
