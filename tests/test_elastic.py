@@ -76,7 +76,7 @@ def reports(first, last, checkpoint_from=None):
             for it in range(first, last + 1)]
 
 
-def test_a_lost_node_shrinks_at_once_and_returning_capacity_grows_at_a_checkpoint(storage):
+def test_a_lost_node_shrinks_at_once_and_returning_capacity_grows_at_a_checkpoint(storage, capsys):
     probe = Probe(total=3)
 
     def node(total):
@@ -107,6 +107,12 @@ def test_a_lost_node_shrinks_at_once_and_returning_capacity_grows_at_a_checkpoin
     assert all(r["world_size"] == 3 for r in rows if r["attempt"] == 3)
     assert h.controller.policy.failures == 1, "the lost node counts as a failure; the resize does not"
     assert probe.lost_nodes_seen[1] == {"fake-node"}, "the restart left the lost node out of its count"
+    from unbroken.cli.commands import main
+
+    assert main(["show", h.path]) == 0
+    shown = capsys.readouterr().out
+    assert "attempt 2: 2 workers, elastic: node lost (2 could be placed, 3 before); began " in shown
+    assert "attempt 3: 3 workers, elastic: capacity returned (3 could be placed, 2 before); began " in shown
 
 
 def test_below_min_workers_it_waits_then_fails_naming_what_is_missing(storage):

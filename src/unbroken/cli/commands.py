@@ -196,11 +196,11 @@ def _show_attempts(s: inspection.RunSummary) -> None:
              a["resumed_from"] or "-", a["error"] or "-"] for a in s.attempts]
     print(_table(["#", "STATUS", "STARTED", "ENDED", "WORKERS", "RESUMED FROM", "ERROR"], rows, indent=2)
           if rows else "  none")
-    for a in s.attempts:
-        _show_attempt_notes(a)
+    for previous, a in zip([None, *s.attempts], s.attempts, strict=False):
+        _show_attempt_notes(a, previous)
 
 
-def _show_attempt_notes(a: dict[str, Any]) -> None:
+def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> None:
     if a.get("config_change"):
         print(f"  attempt {a['number']} continued the run with a changed configuration:")
         print("\n".join(f"  {line}" for line in mf.config_change_lines(a["config_change"])))
@@ -209,6 +209,15 @@ def _show_attempt_notes(a: dict[str, Any]) -> None:
         print(f"  attempt {a['number']}: " + (
             f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
             if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
+    elastic = a.get("elastic")
+    if elastic:
+        before = f", {elastic['previous']} before" if elastic.get("previous") else ""
+        gap = ""
+        if previous and previous.get("ended_at"):
+            seconds = a["started_at"] - previous["ended_at"]
+            gap = f"; began {seconds:.1f} s after attempt {previous['number']} ended"
+        print(f"  attempt {a['number']}: {a['num_workers']} workers, elastic: {elastic['reason']} "
+              f"({elastic['capacity']} could be placed{before}){gap}")
 
 
 def _show_checkpoints(s: inspection.RunSummary) -> None:
