@@ -113,6 +113,12 @@ def test_a_lost_node_shrinks_at_once_and_returning_capacity_grows_at_a_checkpoin
     shown = capsys.readouterr().out
     assert "attempt 2: 2 workers, elastic: node lost (2 could be placed, 3 before); began " in shown
     assert "attempt 3: 3 workers, elastic: capacity returned (3 could be placed, 2 before); began " in shown
+    from unbroken.cli.plotting import marker_label
+    from unbroken.store.manifest import Attempt
+
+    assert [marker_label(Attempt.from_dict(a)) for a in attempts] == [
+        "attempt 1: 3 workers, start", "attempt 2: 2 workers, node lost",
+        "attempt 3: 3 workers, capacity returned"]
 
 
 def test_below_min_workers_it_waits_then_fails_naming_what_is_missing(storage):

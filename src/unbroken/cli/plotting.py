@@ -69,7 +69,7 @@ def plot_run(path: str, out: str | os.PathLike, metrics: list[str] | None = None
             ax.axvline(a.resumed_iteration, color="0.35", ls=":", lw=1.2)
             if i == 0:
                 where = blended_transform_factory(ax.transData, ax.transAxes)
-                ax.text(a.resumed_iteration, 1.02, f"attempt {a.number}", transform=where,
+                ax.text(a.resumed_iteration, 1.02, marker_label(a), transform=where,
                         ha="center", va="bottom", fontsize=8, color="0.25")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.25)
@@ -83,6 +83,14 @@ def plot_run(path: str, out: str | os.PathLike, metrics: list[str] | None = None
     fig.savefig(os.fspath(out), dpi=100)
     plt.close(fig)
     return chosen
+
+
+def marker_label(attempt: mf.Attempt) -> str:
+    """The label of the line where `attempt` resumed: its number, and for an elastic run its
+    size and why ("attempt 3: 2 workers, node lost")."""
+    if attempt.elastic:
+        return f"attempt {attempt.number}: {attempt.num_workers} workers, {attempt.elastic['reason']}"
+    return f"attempt {attempt.number}"
 
 
 def _series(rows: list[dict], metric: str) -> tuple[list[float], list[float]]:
