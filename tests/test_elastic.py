@@ -257,3 +257,17 @@ def test_a_run_whose_world_size_changes_sees_each_sample_once_per_epoch_at_the_s
     fixed = [r["loss"] for r in runs["fixed"][0].rows]
     assert [r["loss"] for r in rows] == pytest.approx(fixed, rel=1e-5), \
         "only the order of the floating-point gradient sum differs from the fixed-size run"
+
+
+def test_a_sweep_of_elastic_trainers_runs_each_trial_elastic(storage):
+    from toy_loops import toy_loop
+    from unbroken import tune
+
+    trainer = DataParallelTrainer(toy_loop, train_loop_config={"iterations": 3},
+                                  scaling_config=ScalingConfig(num_workers=(1, 2)))
+    grid = tune.Tuner(trainer, param_space={"train_loop_config": {"ckpt_every": tune.grid_search([1, 3])}},
+                      tune_config=tune.TuneConfig(max_concurrent_trials=1),
+                      run_config=RunConfig(name="sweep", storage_path=storage, verbose=0)).fit()
+    assert grid.num_errors == 0 and len(grid) == 2
+    for result in grid:
+        assert [(r["training_iteration"], r["world_size"]) for r in result.rows] == [(1, 2), (2, 2), (3, 2)]

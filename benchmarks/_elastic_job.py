@@ -1,0 +1,99 @@
+"""One job of bench_elastic.py, run in a fresh process (not meant to be run by hand).
+
+    python _elastic_job.py FRAMEWORK WORK_DIR PARAMS_JSON
+
+FRAMEWORK: "unbroken-elastic" (num_workers=(2, 3)), "unbroken-elastic+jit" (the same, the loop's
+state in a TrainState with just-in-time checkpoints), "unbroken-fixed" (num_workers=3, which
+waits for its third node) or "ray-v2-elastic" (Ray Train V2, num_workers=(2, 3)). All join the
+cluster named by RAY_ADDRESS. Rank 0 appends one line per report to WORK/rows.jsonl (time,
+iteration, world size); every rank notes its node in WORK/node-<rank>.json; the loop returns
+once WORK/stop exists. Prints "RESULT <json>" at the end.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+FRAMEWORK, WORK, PARAMS = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if FRAMEWORK == "ray-v2-elastic":
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
+    from ray import train
+    from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer, prepare_model
+else:
+    from unbroken import train
+    from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+    from unbroken.train.torch import TorchTrainer, TrainState, prepare_model
+
+
+def note(name: str, data: dict) -> None:
+    path = os.path.join(WORK, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def loop(config: dict) -> None:
+    """A tiny DDP job: one report per step of `step_s`, a checkpoint every `every` steps."""
+    import ray
+
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    note(f"node-{rank}.json", {"node_id": ray.get_runtime_context().get_node_id(), "world": world})
+    torch.manual_seed(0)
+    model = prepare_model(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start, state = 0, None
+    if config.get("jit"):
+        state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=0)
+        state.restore()
+        start = state.iteration
+    elif (checkpoint := train.get_checkpoint()) is not None:
+        with checkpoint.as_directory() as d:
+            start = torch.load(os.path.join(d, "state.pt"), weights_only=True)["iteration"]
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    it = start
+    while not os.path.exists(os.path.join(WORK, "stop")):
+        it += 1
+        time.sleep(config["step_s"])  # the rest of a step's compute
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        asked = ctx.should_checkpoint() if FRAMEWORK != "ray-v2-elastic" else False
+        if state is not None:
+            state.iteration = it
+            state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0)
+        elif (it % config["every"] == 0 or asked) and rank == 0:
+            with tempfile.TemporaryDirectory() as d:
+                torch.save({"iteration": it}, os.path.join(d, "state.pt"))
+                train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d))
+        else:
+            train.report({"loss": loss.item()})
+        if rank == 0:
+            with open(os.path.join(WORK, "rows.jsonl"), "a") as f:
+                f.write(json.dumps({"t": time.time(), "it": it, "ws": world}) + "\n")
+
+
+def main() -> None:
+    elastic = FRAMEWORK != "unbroken-fixed"
+    kwargs = {"num_workers": (2, 3) if elastic else 3, "resources_per_worker": {"CPU": 1}}
+    if elastic:
+        kwargs["elastic_resize_monitor_interval_s"] = PARAMS["monitor_s"]
+    if FRAMEWORK != "ray-v2-elastic":
+        kwargs["engine"] = "ray"
+    trainer = TorchTrainer(loop, train_loop_config=dict(PARAMS, jit=FRAMEWORK.endswith("+jit")),
+                           scaling_config=ScalingConfig(**kwargs),
+                           run_config=RunConfig(name="bench", storage_path=os.path.join(WORK, "storage"),
+                                                failure_config=FailureConfig(max_failures=-1)))
+    t_fit = time.time()
+    trainer.fit()
+    print("RESULT " + json.dumps({"fit_s": time.time() - t_fit}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
