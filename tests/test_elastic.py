@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from fake_group import FakeWorkerGroup, call, lose_node, report
+from fake_group import FakeWorkerGroup, call, die, lose_node, report
 from unbroken.execution.controller import Controller
 from unbroken.execution.elastic import ElasticSizing, wait_for_capacity
 from unbroken.train import DataParallelTrainer, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
@@ -52,13 +52,15 @@ class ElasticHarness:
 
     def group(self, scaling, warm=None):
         g = FakeWorkerGroup(self.scripts_by_size[scaling.num_workers].pop(0))
+        g.started_warm = warm is not None
         self.groups.append(g)
         self.probe.held = scaling.num_workers
         shutdown = g.shutdown
 
         def released(kill=False, keep_warm=False):
             shutdown(kill, keep_warm)
-            self.probe.held = 0
+            if not keep_warm:  # a group kept warm still holds its placement
+                self.probe.held = 0
         g.shutdown = released
         return g
 
@@ -119,6 +121,19 @@ def test_a_lost_node_shrinks_at_once_and_returning_capacity_grows_at_a_checkpoin
     assert [marker_label(Attempt.from_dict(a)) for a in attempts] == [
         "attempt 1: 3 workers, start", "attempt 2: 2 workers, node lost",
         "attempt 3: 3 workers, capacity returned"]
+
+
+def test_a_killed_rank_on_a_live_node_restarts_at_the_same_size_from_the_group_kept_warm(
+        storage, monkeypatch):
+    monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)
+    probe = Probe(total=3)
+    killed = reports(1, 2, checkpoint_from=2) + [die()]
+    h = ElasticHarness(storage, {3: [[reports(1, 3)] * 2 + [killed], [reports(3, 4)] * 3]}, probe,
+                       stop={"training_iteration": 4})
+    h.controller.execute()
+    sizes = [(a["num_workers"], a["elastic"]["reason"]) for a in h.attempts()]
+    assert sizes == [(3, "start"), (3, "rank lost")]
+    assert h.groups[1].started_warm, "the restart took the failed group's warm spares"
 
 
 def test_below_min_workers_it_waits_then_fails_naming_what_is_missing(storage):

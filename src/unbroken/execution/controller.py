@@ -182,20 +182,25 @@ class Controller:
         return True
 
     def _size_attempt(self) -> dict[str, Any]:
-        """An elastic run: size this attempt from what can be placed now (the previous group,
-        if kept warm, is released: its size may not be this one's). Returns the attempt's
-        record; ends the run as ERRORED when too few workers can be placed in time."""
-        if self._warm is not None:
+        """An elastic run: size this attempt from what can be placed now, counting what the
+        previous group kept warm unless it lost a node (then it is released first); a warm
+        group of another size than this attempt's is released. Returns the attempt's record;
+        ends the run as ERRORED when too few workers can be placed in time."""
+        if self._warm is not None and self._elastic.reason == "node lost":
             self._warm.shutdown(kill=True)
             self._warm = None
+        held = self._warm.num_workers if self._warm is not None else 0
         try:
-            self.scaling, record = self._elastic.next_attempt()
+            self.scaling, record = self._elastic.next_attempt(held)
         except InsufficientResourcesError as error:
             self._transition(states.Errored(error))
             self._record(self.run.finish, mf.ERRORED)
             raise give_up_error(error, f"run {self.run.path!r} stopped: {first_line(error)}\n"
                                 f"The run and its checkpoints are kept; continue it with {self.restore_hint}"
                                 ) from error
+        if self._warm is not None and self._warm.num_workers != self.scaling.num_workers:
+            self._warm.shutdown(kill=True)
+            self._warm = None
         log.info("run %s: %d workers (%s; %d placeable, at most %d)", self.run.path, self.scaling.num_workers,
                  record["reason"], record["capacity"], self._elastic.sizing.max_workers)
         return record

@@ -116,11 +116,13 @@ class ElasticScaler:
         self.reason = "start"
         self.lost_nodes: set[str] = set()
 
-    def next_attempt(self) -> tuple[ScalingConfig, dict[str, Any]]:
-        """The next attempt's scaling and its record (Attempt.elastic). Raises
+    def next_attempt(self, held: int = 0) -> tuple[ScalingConfig, dict[str, Any]]:
+        """The next attempt's scaling and its record (Attempt.elastic); `held`: workers the
+        run still holds on live nodes (a group kept warm for the restart). Raises
         InsufficientResourcesError when fewer than min_workers can be placed in time."""
+        limit = self.sizing.max_workers - held
         n, seen = wait_for_capacity(
-            self.sizing, lambda: self.probe(self.lost_nodes, self.sizing.max_workers),
+            self.sizing, lambda: held + self.probe(self.lost_nodes, limit),
             more_s=START_WAIT_S if self.current is None else RESTART_WAIT_S, timeout_s=self.probe.timeout_s,
             clock=self.clock, sleep=self.sleep)
         if n is None:
