@@ -95,12 +95,12 @@ def check_stored(runs: dict[str, dict], winner: str, prepared: bool, where: str)
 MODES = ["fresh", "rerun", "restore", "sweep"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["restore", "sweep"])  # all four in the soak below
 def test_two_drivers_started_at_once_on_local_disk_one_trains(tmp_path, mode):
     race(mode, str(tmp_path / "results"), {}, races=1)
 
 
-@pytest.mark.parametrize("mode", ["restore", "sweep"])  # all four in the soak below
+@pytest.mark.parametrize("mode", ["restore"])  # all four in the soak below
 def test_two_drivers_started_at_once_on_s3_one_trains(s3_endpoint, mode):
     race(mode, f"s3://bucket/race-{uuid.uuid4().hex[:8]}", s3_env(s3_endpoint), races=1)
 

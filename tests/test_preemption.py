@@ -41,8 +41,8 @@ def manifest(path: str) -> dict:
     return json.load(open(os.path.join(path, ".unbroken", "run.json")))
 
 
-@pytest.mark.parametrize("how", ["sigterm-driver", "sigint-process-group",
-                                 "sigterm-process-group-forkserver"])
+@pytest.mark.parametrize("how", ["sigterm-driver", "sigterm-process-group-forkserver",
+                                 pytest.param("sigint-process-group", marks=pytest.mark.slow)])
 def test_signal_checkpoints_stops_and_restores_without_losing_iterations(storage, how):
     name = f"preempted-{how}"
     path = os.path.join(storage, name)
@@ -136,6 +136,7 @@ def test_hung_rank_is_detected_and_the_group_restarts(storage, tmp_path, how):
         assert torch.equal(value, expected[key])
 
 
+@pytest.mark.slow  # 15 s; stopped ranks with hang_timeout_s are in the default run
 def test_a_stopped_rank_without_hang_timeout_is_bounded_by_the_collective_timeout(storage, tmp_path):
     """Without hang_timeout_s, a rank whose process is stopped stalls its peers in their next
     collective until torch.distributed's timeout (TorchConfig(timeout_s=...)); then they fail

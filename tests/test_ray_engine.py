@@ -295,6 +295,7 @@ def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_che
     assert len({r["pid"] for a in (1, 2, 3, 4) for r in placements(str(tmp_path), a)}) == 8
 
 
+@pytest.mark.slow  # 21 s; node removals are in the elastic and just-in-time tests
 def test_a_removed_node_is_a_lost_rank_and_the_run_finishes_on_a_replacement(cluster, storage, tmp_path):
     marker = str(tmp_path / "hung")
     fifo = marker_fifo(marker)
@@ -469,6 +470,9 @@ jit_run("ray", {storage!r}, "jit-lost-node", die_after_report=[[6, 1, 1, "hang"]
 
 
 # -- sweeps --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # 18 s; sweeps restore locally in test_tune, elastic trainers in test_elastic
 def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, tmp_path):
     from unbroken import tune
 

@@ -106,6 +106,7 @@ def test_run_layout_on_s3_and_a_marker_less_upload_is_never_used(s3_endpoint, tm
     assert [r["training_iteration"] for r in rows if r["attempt"] == 2] == list(range(5, ITERATIONS + 1))
 
 
+@pytest.mark.slow  # 24 s; driver kills and restores on S3 are in the crash harness's --s3 trial
 def test_killed_driver_is_restored_on_a_fresh_machine(s3_endpoint, tmp_path):
     storage, name = prefix(), "fresh-machine"
     url = f"{storage}/{name}"
@@ -150,6 +151,7 @@ def test_transient_outage_is_retried_and_training_continues(s3_endpoint, faulty_
     assert run["status"] == "FINISHED" and len(run["attempts"]) == 1, "no failure: the outage was absorbed"
 
 
+@pytest.mark.slow  # 32 s; the transient outage test covers the retry path
 def test_outage_beyond_the_retry_budget_fails_clearly_and_keeps_the_checkpoint(s3_endpoint, faulty_proxy):
     endpoint, refuse = faulty_proxy
     storage, name = prefix(), "long-outage"
