@@ -6,8 +6,9 @@ FRAMEWORK: "unbroken-elastic" (num_workers=(2, 3)), "unbroken-elastic+jit" (the 
 state in a TrainState with just-in-time checkpoints), "unbroken-fixed" (num_workers=3, which
 waits for its third node) or "ray-v2-elastic" (Ray Train V2, num_workers=(2, 3)). All join the
 cluster named by RAY_ADDRESS. Rank 0 appends one line per report to WORK/rows.jsonl (time,
-iteration, world size); every rank notes its node in WORK/node-<rank>.json; the loop returns
-once WORK/stop exists. Prints "RESULT <json>" at the end.
+iteration, world size, its pid: a new attempt's rows come from a new process); every rank
+notes its node in WORK/node-<rank>.json; the loop returns once WORK/stop exists. Prints
+"RESULT <json>" at the end.
 """
 
 import json
@@ -76,7 +77,7 @@ def loop(config: dict) -> None:
             train.report({"loss": loss.item()})
         if rank == 0:
             with open(os.path.join(WORK, "rows.jsonl"), "a") as f:
-                f.write(json.dumps({"t": time.time(), "it": it, "ws": world}) + "\n")
+                f.write(json.dumps({"t": time.time(), "it": it, "ws": world, "pid": os.getpid()}) + "\n")
 
 
 def main() -> None:
