@@ -9,8 +9,11 @@ rank (or one rank) raising, exiting or being SIGKILLed right after it sent a rep
 can be mounted) a disk that fills up at a random moment, or a second driver of the same run
 started at a random moment while the first trains; with --ray, the workers are Ray
 actors on a local 2-node Ray cluster, and a launch may also lose a node (removed without
-warning, then replaced); with --async, the checkpoint files are written in the background
-(the fault points inside the write then strike in the background thread). Then the
+warning, then replaced); with --elastic, the run is elastic (num_workers=(2, 3)) on a 3-node
+cluster, and a launch may remove a node for good (the next fit() runs on 2 workers) or add
+one back (the run grows at its next check, a RESIZED attempt within the launch); with
+--async, the checkpoint files are written in the background (the fault points inside the
+write then strike in the background thread). Then the
 run is restored (by `TorchTrainer.restore(path)` or by running the same trainer again
 under its name), again and again, until it finishes.
 
@@ -31,8 +34,10 @@ Invariants checked at every launch and at the end of each trial:
   - nothing under a committed checkpoint name is ever torn;
   - no leftovers (staging, half-deleted, quarantined dirs, atomic-write temps) at the end;
   - the metric timeline has each iteration exactly once, and its losses equal the
-    uninterrupted run's, bit for bit;
-  - the final model equals the uninterrupted run's, bit for bit;
+    uninterrupted run's, bit for bit (--elastic: within a float-order tolerance, as the
+    number of workers changes);
+  - the final model equals the uninterrupted run's, bit for bit (--elastic: the same);
+  - within a launch, only a resize (RESIZED) is followed by another attempt;
   - every checkpoint asks for a validation (but with --jit), which runs in the background
     while the run trains and the kills strike (a fault point also kills the driver between a
     validation's end and its record): at the end each kept checkpoint has one
@@ -40,7 +45,7 @@ Invariants checked at every launch and at the end of each trial:
     that validation process), and retention never deleted one still pending.
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
-        [--jit] [--strike] [--max-kills N]
+        [--jit] [--elastic] [--strike] [--max-kills N]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -97,6 +102,7 @@ MAX_KILLS = 4
 UPLOAD_MODE = {False: CheckpointUploadMode.SYNC, True: CheckpointUploadMode.ASYNC}
 ASYNC_SAVES = [False]  # --async: the loop's checkpoints are written in the background
 JIT = [False]  # --jit: the loop's state is a TrainState with just-in-time checkpoints
+ELASTIC = [False]  # --elastic: num_workers=(2, 3) on a 3-node Ray cluster that loses and regains nodes
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
 logging.getLogger("unbroken").setLevel(logging.ERROR)
@@ -122,7 +128,7 @@ def crash_loop(config: dict) -> None:
             meta = json.load(open(os.path.join(d, "meta.json")))
             intact = hashlib.sha256(blob).hexdigest() == meta["sha256"] and all(
                 json.load(open(os.path.join(d, f"rank{r}.json")))["iteration"] == meta["iteration"]
-                for r in range(world))
+                for r in range(meta.get("world", world)))  # the world that wrote it (elastic: another)
         if rank == 0:
             with open(config["log"], "a") as f:
                 f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": os.path.basename(
@@ -134,7 +140,7 @@ def crash_loop(config: dict) -> None:
         opt.load_state_dict(state["optimizer"])
         start = meta["iteration"]
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(256, 16, generator=g)
+    x = torch.randn(config.get("samples", 256), 16, generator=g)
     y = torch.sin(x.sum(dim=1, keepdim=True))
     x, y = x[rank::world], y[rank::world]
     for it in range(start + 1, config["iterations"] + 1):
@@ -142,7 +148,8 @@ def crash_loop(config: dict) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if it % config["every"]:
+        asked = config.get("on_request") and ctx.should_checkpoint()  # an elastic resize asks
+        if it % config["every"] and not asked:
             train.report({"loss": loss.item()})
             continue
         with tempfile.TemporaryDirectory() as d:
@@ -154,7 +161,8 @@ def crash_loop(config: dict) -> None:
                 with open(os.path.join(d, "state.pt"), "wb") as f:
                     f.write(buf.getvalue())
                 with open(os.path.join(d, "meta.json"), "w") as f:
-                    json.dump({"iteration": it, "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}, f)
+                    json.dump({"iteration": it, "world": world,
+                               "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}, f)
             train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d),
                          checkpoint_upload_mode=UPLOAD_MODE[config.get("async", False)],
                          validation=bool(config.get("validate")))
@@ -218,10 +226,15 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
     validate = not JIT[0]  # every checkpoint of the crash loop is validated in the background
     config = {"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log, "async": ASYNC_SAVES[0],
               "validate": validate}
+    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1})
+    if ELASTIC[0]:  # 2 or 3 workers; 240 samples share out evenly to either, so only float order differs
+        scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1},
+                                elastic_resize_monitor_interval_s=1.0)
+        config.update(samples=240, on_request=True)
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
         validation_config=ValidationConfig(validate_checkpoint) if validate else None,
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        scaling_config=scaling,
         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=0)))
@@ -365,6 +378,12 @@ class Harness:
         if r < 0.72 and self.disk is not None:
             return "disk-full", None, None
         delay = self.rng.uniform(0, self.duration)
+        if ELASTIC[0] and r < 0.80:  # the cluster shrinks (a node lost for good) or grows back;
+            if self.cluster.nodes == 3:
+                return "remove-node", None, delay
+            # the run grows within the launch, and half the time the driver is killed between
+            # the attempt that stopped for the resize and the next one
+            return "add-node", "after_resize_stop:1" if self.rng.random() < 0.5 else None, delay
         if r < 0.78:  # half of them start the second driver at the same moment as the first
             return "second-driver", None, delay if self.rng.random() < 0.5 else 0.0
         if r < 0.85:
@@ -408,6 +427,14 @@ class Harness:
                 self.counts["nodes lost"] += 1
                 kills += 1
                 struck = "lose-node"
+            elif kind == "remove-node":  # the run shrinks (in its next fit(): max_failures is 0)
+                self.cluster.remove_node()
+                self.counts["nodes removed"] += 1
+                kills += 1
+                struck = "remove-node"
+            elif kind == "add-node":  # a run at 2 workers grows at its next check
+                self.cluster.add_node()
+                self.counts["nodes added"] += 1
             elif proc.is_alive() and kind != "second-driver":
                 victim = proc.pid
                 if kind == "kill-worker":
@@ -505,15 +532,25 @@ class Harness:
         manifest = read_manifest(path)
         if manifest is None:
             return
-        for attempt in manifest["attempts"][attempts_before:]:
+        new = manifest["attempts"][attempts_before:]
+        for attempt in new:
             jit = attempt.get("jit_checkpoint")
             if jit:
                 self.counts["jit: saved" if jit["iteration"] else "jit: fell back"] += 1
-            if attempt["resumed_from"] != before:
-                self.violations.append(f"{where}: attempt {attempt['number']} resumed from "
-                                       f"{attempt['resumed_from']}, the newest committed was {before}")
+            if attempt["status"] == "RESIZED":
+                self.counts["resizes"] += 1
+        # Within a launch only an elastic resize starts another attempt (max_failures is 0); it
+        # resumes from the checkpoint it asked for, the newest committed at its start.
+        if new and new[0]["resumed_from"] != before:
+            self.violations.append(f"{where}: attempt {new[0]['number']} resumed from "
+                                   f"{new[0]['resumed_from']}, the newest committed was {before}")
+        if any(a["status"] != "RESIZED" for a in new[:-1]):
+            self.violations.append(f"{where}: a launch went on after an attempt that was not a resize: "
+                                   f"{[a['status'] for a in new]}")
         for entry in read_log(log):
-            if entry["attempt"] > attempts_before and (entry["loaded"] != before or not entry["intact"]):
+            first = entry["attempt"] == attempts_before + 1
+            if entry["attempt"] > attempts_before and ((first and entry["loaded"] != before)
+                                                       or not entry["intact"]):
                 self.violations.append(f"{where}: the loop loaded {entry} (expected {before}, intact)")
 
     def check_reported_round(self, path: str, before: str | None, fault: str, attempts_before: int,
@@ -558,13 +595,15 @@ class Harness:
         result = Result.from_path(path)
         rows = _timeline(path)
         iterations = [row["training_iteration"] for row in rows]
+        # Elastic: another number of workers changes only the order of the float sums.
+        same = (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6)) if ELASTIC[0] else torch.equal
         if iterations != list(range(1, ITERATIONS + 1)):
             self.violations.append(f"{where}: timeline is {iterations}")
-        elif [row["loss"] for row in rows] != self.reference_losses:
+        elif not same(torch.tensor([row["loss"] for row in rows]), torch.tensor(self.reference_losses)):
             self.violations.append(f"{where}: losses differ from the uninterrupted run")
         weights = self.final_weights(result)
         if weights.keys() != self.reference_weights.keys() or not all(
-                torch.equal(weights[k], self.reference_weights[k]) for k in weights):
+                same(weights[k], self.reference_weights[k]) for k in weights):
             self.violations.append(f"{where}: final weights differ from the uninterrupted run")
         if (read_manifest(path) or {}).get("status") != "FINISHED":
             self.violations.append(f"{where}: run.json does not say FINISHED")
@@ -648,19 +687,34 @@ class SmallDisk:
 
 
 class RayCluster:
-    """A local 2-node Ray cluster in a process of its own (tools/ray_cluster.py): this process
-    forks its drivers, so it must not hold Ray's threads. Drivers find it through RAY_ADDRESS."""
+    """A local Ray cluster of `nodes` one-CPU nodes in a process of its own (tools/ray_cluster.py):
+    this process forks its drivers, so it must not hold Ray's threads. Drivers find it through
+    RAY_ADDRESS."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: int = 2) -> None:
         server = os.path.join(os.path.dirname(__file__), "ray_cluster.py")
-        self.proc = subprocess.Popen([sys.executable, server], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen([sys.executable, server, str(nodes)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         self.address = self.proc.stdout.readline().split()[1]
+        self.nodes = nodes
 
-    def lose_node(self) -> str:
-        self.proc.stdin.write("lose\n")
+    def _ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return self.proc.stdout.readline().split()[1]
+
+    def lose_node(self) -> str:
+        """Remove a node without warning and add a replacement."""
+        return self._ask("lose")
+
+    def remove_node(self) -> str:
+        """Remove a node without warning, and no replacement."""
+        self.nodes -= 1
+        return self._ask("remove")
+
+    def add_node(self) -> str:
+        self.nodes += 1
+        return self._ask("add")
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -668,11 +722,11 @@ class RayCluster:
 
 
 @contextlib.contextmanager
-def ray_cluster(wanted: bool) -> Iterator[RayCluster | None]:
+def ray_cluster(wanted: bool, nodes: int = 2) -> Iterator[RayCluster | None]:
     if not wanted:
         yield None
         return
-    cluster = RayCluster()
+    cluster = RayCluster(nodes)
     os.environ["RAY_ADDRESS"] = cluster.address  # the drivers' engine="auto" picks Ray
     try:
         yield cluster
@@ -728,13 +782,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="the loop keeps its state in a TrainState with just-in-time checkpoints")
     parser.add_argument("--ray", action="store_true",
                         help="run the workers on a local 2-node Ray cluster (the Ray engine)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="an elastic run, num_workers=(2, 3), on a local 3-node Ray cluster that "
+                             "loses nodes for good and gets them back among the faults")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves
     JIT[0] = args.jit
+    ELASTIC[0] = args.elastic
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \
-            local_disk(workdir, not args.s3) as disk, ray_cluster(args.ray) as cluster:
+            local_disk(workdir, not args.s3) as disk, \
+            ray_cluster(args.ray or args.elastic, 3 if args.elastic else 2) as cluster:
         harness = Harness(seed, workdir, root or (disk.path if disk else workdir), disk, cluster, args.strike,
                           args.max_kills)
         harness.reference()

@@ -1,11 +1,13 @@
 """A local multi-node Ray cluster in a process of its own, for the crash harness (which forks
 its drivers, and so must not hold Ray's threads itself).
 
-    python tools/ray_cluster.py        # prints "address <gcs address>" once the nodes are up
+    python tools/ray_cluster.py [NODES]   # prints "address <gcs address>" once the nodes are up
 
-Starts `ray.cluster_utils.Cluster`: a head with no CPUs and two nodes with one CPU each. Then
-reads commands from stdin, one per line, and answers each with one line:
+Starts `ray.cluster_utils.Cluster`: a head with no CPUs and NODES (2) nodes with one CPU each.
+Then reads commands from stdin, one per line, and answers each with one line:
   lose       remove a random worker node without warning, add a replacement -> "lost <node id>"
+  remove     remove a random worker node without warning, no replacement -> "removed <node id>"
+  add        add a worker node -> "added <node id>"
 Ends (and shuts the cluster down) when stdin closes.
 """
 
@@ -23,18 +25,24 @@ def main() -> int:
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                             "object_store_memory": 80 * MB})
-    workers = [cluster.add_node(num_cpus=1, object_store_memory=80 * MB) for _ in range(2)]
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    workers = [cluster.add_node(num_cpus=1, object_store_memory=80 * MB) for _ in range(count)]
     cluster.wait_for_nodes()
     rng = random.Random()
     print("address", cluster.address, flush=True)
     try:
         for line in sys.stdin:
-            if line.strip() == "lose":
+            command = line.strip()
+            if command in ("lose", "remove"):
                 node = rng.choice(workers)
                 workers.remove(node)
                 cluster.remove_node(node, allow_graceful=False)
+                if command == "lose":
+                    workers.append(cluster.add_node(num_cpus=1, object_store_memory=80 * MB))
+                print("lost" if command == "lose" else "removed", node.node_id, flush=True)
+            elif command == "add":
                 workers.append(cluster.add_node(num_cpus=1, object_store_memory=80 * MB))
-                print("lost", node.node_id, flush=True)
+                print("added", workers[-1].node_id, flush=True)
     finally:
         if ray.is_initialized():
             ray.shutdown()

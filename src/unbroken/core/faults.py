@@ -19,7 +19,8 @@ before_trial_record (sweep driver, when a trial's process has ended and before s
 records how the trial ended); after_fold (object stores: result.json rewritten with its
 parts folded in, before the parts are removed; see `store.appender`); before_validation_record
 (driver: a checkpoint's validation ended and its record is not written yet; see
-`execution.validations`).
+`execution.validations`); after_resize_stop (driver: an elastic run's attempt stopped at the
+checkpoint it asked for, to grow, and the next attempt has not started).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from unbroken.core import faults
 from unbroken.core.config import RunConfig, ScalingConfig
 from unbroken.errors import (
     InsufficientResourcesError,
@@ -173,6 +174,7 @@ class Controller:
             if self.state.resize_to is None:
                 self._interrupted()
             self.run.end_attempt(mf.RESIZED)
+            faults.point("after_resize_stop")  # crash tests: between the two attempts of a resize
             self._transition(states.Resizing(attempt, self.state.resize_to))
             return False
         self._validations.wait_all()  # the Result shows every checkpoint's validation ended

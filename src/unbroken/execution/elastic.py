@@ -85,8 +85,8 @@ class CapacityProbe(Protocol):
 
 
 START_WAIT_S = 5.0  # how long a first start with fewer than max_workers waits for more
-# How long a restart waits for more than min_workers: the failed group's resources take a
-# moment to show as free again.
+# How long a restart after a failure on live nodes waits for more than min_workers: the
+# failed group's resources take a moment to show as free again.
 RESTART_WAIT_S = 1.0
 
 
@@ -123,7 +123,7 @@ class ElasticScaler:
         limit = self.sizing.max_workers - held
         n, seen = wait_for_capacity(
             self.sizing, lambda: held + self.probe(self.lost_nodes, limit),
-            more_s=START_WAIT_S if self.current is None else RESTART_WAIT_S, timeout_s=self.probe.timeout_s,
+            more_s=self._wait_for_more(), timeout_s=self.probe.timeout_s,
             clock=self.clock, sleep=self.sleep)
         if n is None:
             lost = ", ".join(sorted(node[:12] for node in self.lost_nodes))
@@ -136,6 +136,13 @@ class ElasticScaler:
         self.current = n
         self.sizing.started(self.clock())
         return self.base.fixed(n), record
+
+    def _wait_for_more(self) -> float:
+        """How long the next attempt waits for more than min_workers: a first start a little,
+        a restart after a lost node not at all (its capacity will not come back soon)."""
+        if self.current is None:
+            return START_WAIT_S
+        return 0.0 if self.reason == "node lost" else RESTART_WAIT_S
 
     def failed(self, lost: list[tuple[str, bool]]) -> None:
         """The attempt failed; `lost`: (node id, whether the node was lost) of each rank that died."""
