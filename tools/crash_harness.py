@@ -142,12 +142,17 @@ def crash_loop(config: dict) -> None:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(config.get("samples", 256), 16, generator=g)
     y = torch.sin(x.sum(dim=1, keepdim=True))
+    everything = (x, y) if config.get("on_request") else None  # elastic: report the loss on all of it
     x, y = x[rank::world], y[rank::world]
     for it in range(start + 1, config["iterations"] + 1):
+        time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if everything is not None:  # rank 0's share changes with the number of workers
+            with torch.no_grad():
+                loss = torch.nn.functional.mse_loss(model(everything[0]), everything[1])
         asked = config.get("on_request") and ctx.should_checkpoint()  # an elastic resize asks
         if it % config["every"] and not asked:
             train.report({"loss": loss.item()})
@@ -230,7 +235,7 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
     if ELASTIC[0]:  # 2 or 3 workers; 240 samples share out evenly to either, so only float order differs
         scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1},
                                 elastic_resize_monitor_interval_s=1.0)
-        config.update(samples=240, on_request=True)
+        config.update(samples=240, on_request=True, step_s=0.3)
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
         validation_config=ValidationConfig(validate_checkpoint) if validate else None,
@@ -360,6 +365,14 @@ class Harness:
             return "none", None, None
         if self.strike and kills == 0:
             return self.report_fault()
+        if ELASTIC[0] and self.rng.random() < 0.35:  # the cluster shrinks (a node lost for good) or grows
+            delay = self.rng.uniform(0, self.duration)
+            if self.cluster.nodes == 3:
+                return "remove-node", None, delay
+            # the run grows within the launch (the node joins early enough for it), and half the
+            # time the driver is killed between the attempt that stopped for it and the next one
+            return ("add-node", "after_resize_stop:1" if self.rng.random() < 0.5 else None,
+                    delay / 3)
         r = self.rng.random()
         if r < 0.15:
             return "worker-fault", f"{self.rng.choice(WORKER_POINTS)}:{self.rng.randint(1, 6)}", None
@@ -378,12 +391,6 @@ class Harness:
         if r < 0.72 and self.disk is not None:
             return "disk-full", None, None
         delay = self.rng.uniform(0, self.duration)
-        if ELASTIC[0] and r < 0.80:  # the cluster shrinks (a node lost for good) or grows back;
-            if self.cluster.nodes == 3:
-                return "remove-node", None, delay
-            # the run grows within the launch, and half the time the driver is killed between
-            # the attempt that stopped for the resize and the next one
-            return "add-node", "after_resize_stop:1" if self.rng.random() < 0.5 else None, delay
         if r < 0.78:  # half of them start the second driver at the same moment as the first
             return "second-driver", None, delay if self.rng.random() < 0.5 else 0.0
         if r < 0.85:

@@ -75,3 +75,9 @@ def test_random_kills_with_just_in_time_checkpoints():
     report = run_harness(12, "--jit", "--strike")
     check(report, 12)
     assert report.get("jit: saved", 0) + report.get("jit: fell back", 0) >= 1, report
+
+
+@pytest.mark.slow  # about a minute a trial: elastic restarts on Ray take seconds
+def test_random_kills_node_losses_and_returns_with_an_elastic_run_soak():
+    pytest.importorskip("ray")
+    check(run_harness(20, "--elastic"), 20)
