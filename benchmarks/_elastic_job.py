@@ -14,10 +14,10 @@ notes its node in WORK/node-<rank>.json; the loop returns once WORK/stop exists.
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
+from _tiny_job import note, report, resume
 
 FRAMEWORK, WORK, PARAMS = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if FRAMEWORK == "ray-v2-elastic":
@@ -28,14 +28,7 @@ if FRAMEWORK == "ray-v2-elastic":
 else:
     from unbroken import train
     from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
-    from unbroken.train.torch import TorchTrainer, TrainState, prepare_model
-
-
-def note(name: str, data: dict) -> None:
-    path = os.path.join(WORK, name)
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".tmp", path)
+    from unbroken.train.torch import TorchTrainer, prepare_model
 
 
 def loop(config: dict) -> None:
@@ -44,18 +37,11 @@ def loop(config: dict) -> None:
 
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    note(f"node-{rank}.json", {"node_id": ray.get_runtime_context().get_node_id(), "world": world})
+    note(WORK, f"node-{rank}.json", {"node_id": ray.get_runtime_context().get_node_id(), "world": world})
     torch.manual_seed(0)
     model = prepare_model(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start, state = 0, None
-    if config.get("jit"):
-        state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=0)
-        state.restore()
-        start = state.iteration
-    elif (checkpoint := train.get_checkpoint()) is not None:
-        with checkpoint.as_directory() as d:
-            start = torch.load(os.path.join(d, "state.pt"), weights_only=True)["iteration"]
+    start, state = resume(train, model, opt, config.get("jit", False))
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     it = start
     while not os.path.exists(os.path.join(WORK, "stop")):
@@ -66,15 +52,7 @@ def loop(config: dict) -> None:
         loss.backward()
         opt.step()
         asked = ctx.should_checkpoint() if FRAMEWORK != "ray-v2-elastic" else False
-        if state is not None:
-            state.iteration = it
-            state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0)
-        elif (it % config["every"] == 0 or asked) and rank == 0:
-            with tempfile.TemporaryDirectory() as d:
-                torch.save({"iteration": it}, os.path.join(d, "state.pt"))
-                train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d))
-        else:
-            train.report({"loss": loss.item()})
+        report(train, Checkpoint, state, it, loss.item(), it % config["every"] == 0 or asked, rank)
         if rank == 0:
             with open(os.path.join(WORK, "rows.jsonl"), "a") as f:
                 f.write(json.dumps({"t": time.time(), "it": it, "ws": world, "pid": os.getpid()}) + "\n")

@@ -17,11 +17,11 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 
 import torch
+from _tiny_job import note, report, resume
 
 FRAMEWORK, TASK, WORK, PARAMS = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 if FRAMEWORK == "ray-v1":
@@ -37,13 +37,6 @@ else:
 NUM_WORKERS = 2
 
 
-def note(name: str, data: dict) -> None:
-    path = os.path.join(WORK, name)
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".tmp", path)
-
-
 def startup_loop(config: dict) -> None:
     first_line = time.time()
     rank = train.get_context().get_world_rank()
@@ -53,8 +46,8 @@ def startup_loop(config: dict) -> None:
     start = time.perf_counter()
     for i in range(config["reports"]):
         train.report(dict(metrics, epoch=i))
-    note(f"rank{rank}.json", {"first_line": first_line,
-                              "report_ms": (time.perf_counter() - start) / config["reports"] * 1e3})
+    note(WORK, f"rank{rank}.json", {"first_line": first_line,
+                                    "report_ms": (time.perf_counter() - start) / config["reports"] * 1e3})
 
 
 def recovery_loop(config: dict) -> None:
@@ -64,27 +57,17 @@ def recovery_loop(config: dict) -> None:
     torch.manual_seed(0)
     model = prepare_model(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = 0
-    state = None
-    if config.get("jit"):
-        from unbroken.train.torch import TrainState
-
-        state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=0)
-        state.restore()
-        start = state.iteration
-    elif (checkpoint := train.get_checkpoint()) is not None:
-        with checkpoint.as_directory() as d:
-            start = torch.load(os.path.join(d, "state.pt"), weights_only=True)["iteration"]
+    start, state = resume(train, model, opt, config.get("jit", False))
     restarted = os.path.exists(os.path.join(WORK, "failed"))
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     for it in range(start + 1, config["iterations"] + 1):
         if not restarted and it == config["fail_at"] and rank == 1:
-            note("failed", {"at": time.time(), "iteration": it})
+            note(WORK, "failed", {"at": time.time(), "iteration": it})
             if TASK == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             import ray
 
-            note("lose", {"node_id": ray.get_runtime_context().get_node_id()})
+            note(WORK, "lose", {"node_id": ray.get_runtime_context().get_node_id()})
             threading.Event().wait()  # until bench_ray.py removes this node
         time.sleep(config["step_s"])  # the rest of a training step's compute
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -92,16 +75,8 @@ def recovery_loop(config: dict) -> None:
         loss.backward()
         opt.step()
         if restarted and rank == 0 and it == start + 1:
-            note("resumed.json", {"first_row": time.time(), "resumed_from": start})
-        if state is not None:
-            state.iteration = it
-            state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0)
-        elif it % config["every"] == 0 and rank == 0:
-            with tempfile.TemporaryDirectory() as d:
-                torch.save({"iteration": it}, os.path.join(d, "state.pt"))
-                train.report({"loss": loss.item()}, checkpoint=Checkpoint.from_directory(d))
-        else:
-            train.report({"loss": loss.item()})
+            note(WORK, "resumed.json", {"first_row": time.time(), "resumed_from": start})
+        report(train, Checkpoint, state, it, loss.item(), it % config["every"] == 0, rank)
 
 
 def main() -> None:
