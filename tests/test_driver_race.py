@@ -113,3 +113,33 @@ def test_two_drivers_started_at_once_soak(tmp_path, s3_endpoint, storage, mode):
         race(mode, str(tmp_path / "results"), {}, races=30)
     else:
         race(mode, f"s3://bucket/race-{uuid.uuid4().hex[:8]}", s3_env(s3_endpoint), races=30)
+
+
+def test_a_run_that_finishes_between_the_first_read_and_the_lease_is_not_trained_again(storage, monkeypatch):
+    """A second driver read run.json while the first still trained (RUNNING); the first then
+    finished and released the lease, which the second took. Under the lease the second must
+    see FINISHED and return the stored result, not add an attempt (a crash harness finding:
+    two FINISHED attempts from one launch with a second driver)."""
+    import dataclasses
+
+    from toy_loops import toy_loop
+    from unbroken.store import opening
+    from unbroken.train import DataParallelTrainer, RunConfig
+
+    def trainer():
+        return DataParallelTrainer(toy_loop, train_loop_config={"iterations": 3},
+                                   run_config=RunConfig(name="race", storage_path=storage, verbose=0))
+
+    first = trainer().fit()
+    assert first.status == "FINISHED"
+    existing = opening.existing
+
+    def read_while_it_ran(*args, **kwargs):  # the second driver's first read, from before the end
+        manifest = existing(*args, **kwargs)
+        return dataclasses.replace(manifest, status="RUNNING")
+
+    monkeypatch.setattr(opening, "existing", read_while_it_ran)
+    second = trainer().fit()
+    assert second.status == "FINISHED" and second.metrics["training_iteration"] == 3
+    with open(f"{first.path}/.unbroken/run.json") as f:
+        assert [a["status"] for a in json.load(f)["attempts"]] == ["FINISHED"], "no second attempt"

@@ -64,17 +64,29 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
     manifest = opening.existing(
         RUN, storage, exists=restored or manifest_exists(storage), restored=restored, resume=config.resume,
         check_identity=lambda m: check_identity(m, cls, trainer._init_args, path, config.allow_config_change))
-    changed = manifest is not None and bool(identity_changes(manifest.identity, saved.fields["identity"]))
-    if manifest is not None and manifest.status == FINISHED and not (trainer._restore_overrides or changed):
+    if _finished(manifest, trainer, saved):
         log.info("run %s already finished; returning its stored result", path)
         return None, Result.from_path(path, config.storage_filesystem)
 
     with opening.leased(RUN, storage, manifest, _new_manifest) as (lease, manifest, previous):
+        if previous is not None and _finished(manifest, trainer, saved):
+            # It finished between the first read and the lease: another driver drove it.
+            lease.release()
+            log.info("run %s finished meanwhile; returning its stored result", path)
+            return None, Result.from_path(path, config.storage_filesystem)
         change = _amendments(manifest, saved, path) if previous is not None else {}
         write_trainer(storage, manifest, saved)
         run = Run(storage, manifest, previous, lease, config.checkpoint_config)
         run.config_change = change or None
         return run, None
+
+
+def _finished(manifest: RunManifest | None, trainer: Any, saved: SavedTrainer) -> bool:
+    """The run finished, and this fit() neither re-specifies an argument nor changes its
+    identity: it returns the stored result instead of training."""
+    if manifest is None or manifest.status != FINISHED or trainer._restore_overrides:
+        return False
+    return not identity_changes(manifest.identity, saved.fields["identity"])
 
 
 def _amendments(manifest: RunManifest, saved: SavedTrainer, path: str) -> dict[str, dict[str, Any]]:
