@@ -216,9 +216,10 @@ class CallbackList:
             except Exception as e:
                 self._give_up(cb, f"failed in {method}", e)
 
-    def _thread(self, cb: Callback) -> HookThread:
+    def _thread(self, cb: Callback | UserCallback) -> HookThread:
         if id(cb) not in self._threads:
-            self._threads[id(cb)] = HookThread(type(cb).__name__, float(cb.hook_timeout_s),
+            timeout = float(getattr(cb, "hook_timeout_s", Callback.hook_timeout_s))
+            self._threads[id(cb)] = HookThread(type(cb).__name__, timeout,
                                                lambda why, error: self._give_up(cb, why, error))
         return self._threads[id(cb)]
 
