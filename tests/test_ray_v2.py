@@ -350,6 +350,7 @@ print("DONE", result.checkpoint.path.rsplit("/", 1)[1],
 """
 
 
+@pytest.mark.slow  # 12 s; custom names are in the default run on local disk, object-store moves in test_s3
 def test_custom_names_on_an_object_store(s3_endpoint):
     from conftest import s3_env
 
