@@ -229,6 +229,22 @@ def test_a_cluster_without_room_fails_with_the_missing_resources(cluster, storag
         remove_placement_group(both)
 
 
+def test_an_elastic_run_below_min_workers_waits_then_fails_naming_what_is_missing(
+        cluster, storage, monkeypatch):
+    monkeypatch.setattr("unbroken.execution.engine.ray_capacity.PLACEMENT_TIMEOUT_S", 2.0)
+    trainer = TorchTrainer(placed_loop, train_loop_config={"iterations": 2, "dir": storage},
+                           scaling_config=ScalingConfig(num_workers=(3, 4), engine="ray"),
+                           run_config=RunConfig(name="too-few", storage_path=storage, verbose=0))
+    t0 = time.monotonic()
+    missing = (r"needs at least 3 workers, and only 2 could be placed within 2 s "
+               r"\(each worker needs \{'CPU': 1.0\}\)")
+    with pytest.raises(TrainingFailedError, match=missing + r".*Hint: add nodes"):
+        trainer.fit()
+    assert 2.0 <= time.monotonic() - t0 < 15, "it waited for capacity, bounded"
+    run = json.load(open(os.path.join(storage, "too-few", ".unbroken", "run.json")))
+    assert run["status"] == "ERRORED" and run["attempts"] == [], "no attempt started, nothing placed"
+
+
 def test_a_node_that_sees_other_storage_fails_before_training(cluster, tmp_path):
     from fsspec.implementations.dirfs import DirFileSystem
 
