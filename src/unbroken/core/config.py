@@ -90,14 +90,19 @@ class ScalingConfig:
         return replace(self, num_workers=num_workers)
 
     @property
-    def total_resources(self) -> dict[str, float]:
-        """What the workers need in all (Ray V2): each worker's resources (CPU 1 and, with
-        use_gpu, GPU 1 unless `resources_per_worker` says otherwise) times num_workers (the
-        most workers, for an elastic run)."""
-        per = dict(self.resources_per_worker or {"CPU": 1.0})
+    def worker_resources(self) -> dict[str, float]:
+        """What one worker needs: CPU 1 and, with use_gpu, GPU 1, unless `resources_per_worker`
+        says otherwise."""
+        per = {k: float(v) for k, v in (self.resources_per_worker or {"CPU": 1.0}).items()}
         if self.use_gpu:
             per.setdefault("GPU", 1.0)
-        return {name: float(amount) * self.max_workers for name, amount in per.items()}
+        return per
+
+    @property
+    def total_resources(self) -> dict[str, float]:
+        """What the workers need in all (Ray V2): `worker_resources` times num_workers (the
+        most workers, for an elastic run)."""
+        return {name: amount * self.max_workers for name, amount in self.worker_resources.items()}
 
     def cpus_per_worker(self) -> int:
         """Intra-op threads each worker gets: its CPU resources, or an even share of this machine."""

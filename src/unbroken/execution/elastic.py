@@ -129,7 +129,7 @@ class ElasticScaler:
             lost = ", ".join(sorted(node[:12] for node in self.lost_nodes))
             raise InsufficientResourcesError(
                 f"the elastic run needs at least {self.sizing.min_workers} workers, and only {seen} could "
-                f"be placed within {self.probe.timeout_s:g} s (each worker needs {_per_worker(self.base)}"
+                f"be placed within {self.probe.timeout_s:g} s (each worker needs {self.base.worker_resources}"
                 f"{'; nodes lost: ' + lost if lost else ''}). Hint: add nodes, or lower "
                 "ScalingConfig(num_workers=(min_workers, max_workers))")
         record = {"reason": self.reason, "capacity": seen, "previous": self.current}
@@ -162,6 +162,3 @@ class ElasticScaler:
             self.reason = "capacity returned"
         return target
 
-
-def _per_worker(scaling: ScalingConfig) -> dict[str, float]:
-    return {k: v / scaling.max_workers for k, v in scaling.total_resources.items()}
