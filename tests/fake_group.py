@@ -122,6 +122,7 @@ class FakeWorkerGroup:
 
     def __init__(self, scripts: list[list[tuple]]) -> None:
         self.warmed = False
+        self.released = False
         self.num_workers = len(scripts)
         self.ranks = [FakeRank(list(s)) for s in scripts]
         self.payloads: list[Any] = []
@@ -168,6 +169,9 @@ class FakeWorkerGroup:
         dying = [WorkerDied(r, signal_name=f.dying, engine="fake")
                  for r, f in enumerate(self.ranks) if f.dying is not None]
         return sorted(self.killed + dying, key=lambda d: d.rank)
+
+    def release_placement(self) -> None:
+        self.released = True
 
     def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         self.shut_down = kill

@@ -62,6 +62,11 @@ class ElasticHarness:
             if not keep_warm:  # a group kept warm still holds its placement
                 self.probe.held = 0
         g.shutdown = released
+
+        def placement_released():
+            g.released = True
+            self.probe.held = 0
+        g.release_placement = placement_released
         return g
 
     def rows(self):
@@ -134,6 +139,19 @@ def test_a_killed_rank_on_a_live_node_restarts_at_the_same_size_from_the_group_k
     sizes = [(a["num_workers"], a["elastic"]["reason"]) for a in h.attempts()]
     assert sizes == [(3, "start"), (3, "rank lost")]
     assert h.groups[1].started_warm, "the restart took the failed group's warm spares"
+
+
+def test_a_lost_node_shrinks_onto_the_spares_the_failed_group_kept_warm(storage, monkeypatch):
+    monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)
+    probe = Probe(total=3)
+    lost = reports(1, 2, checkpoint_from=2) + [call(lambda: setattr(probe, "total", 2)), lose_node()]
+    h = ElasticHarness(storage, {3: [[reports(1, 3)] * 2 + [lost]], 2: [[reports(3, 4)] * 2]}, probe,
+                       stop={"training_iteration": 4})
+    h.controller.execute()
+    sizes = [(a["num_workers"], a["elastic"]["reason"], a["elastic"]["capacity"]) for a in h.attempts()]
+    assert sizes == [(3, "start", 3), (2, "node lost", 2)]
+    assert h.groups[0].released, "the failed group gave its placement back before the new size was counted"
+    assert h.groups[1].started_warm, "the smaller group took the spares kept warm on the live nodes"
 
 
 def test_below_min_workers_it_waits_then_fails_naming_what_is_missing(storage):
@@ -286,3 +304,14 @@ def test_a_sweep_of_elastic_trainers_runs_each_trial_elastic(storage):
     assert grid.num_errors == 0 and len(grid) == 2
     for result in grid:
         assert [(r["training_iteration"], r["world_size"]) for r in result.rows] == [(1, 2), (2, 2), (3, 2)]
+
+
+def test_a_sweep_on_a_cluster_starts_a_trial_when_it_fits_beside_what_the_others_hold_now():
+    from unbroken.tune.trial_slots import TrialSlots
+
+    slots = TrialSlots(slots=4, need=1, most=3)  # elastic trials of 1 to 3 workers on 4 slots
+    assert slots.admits([]), "the first trial always starts"
+    assert slots.admits([3]) and not slots.admits([3, 1]), "one that got 3 leaves room for one more"
+    assert slots.admits([2, 1]), "counted at what they hold now, not at their most"
+    assert not slots.admits([None, 1]), "a trial not sized yet counts at its most"
+    assert not TrialSlots(slots=4, need=2, most=2).admits([2, 2])

@@ -163,7 +163,7 @@ def test_the_driver_takes_only_connections_that_prove_the_attempts_secret(monkey
     import threading
     from multiprocessing.connection import AuthenticationError, Client
 
-    from unbroken.execution.engine.ray import _Listener
+    from unbroken.execution.engine.ray_link import Listener as _Listener
 
     monkeypatch.setattr("unbroken.execution.engine.ray._HANDSHAKE_S", 1)
     listener = _Listener("127.0.0.1", b"s" * 32)
@@ -340,8 +340,9 @@ def node_named(name: str) -> str | None:
 def test_an_elastic_run_shrinks_at_once_on_a_lost_node_and_grows_back_when_one_returns(
         cluster, storage, tmp_path):
     """num_workers=(2, 3) on three 1-CPU nodes: a node is removed mid-run and no node replaces it,
-    so the run goes on with 2 workers at once; a node is added later and the run grows to 3
-    within the monitor interval and a report. Each iteration once, every row's world size."""
+    so the run goes on with 2 workers at once, on the spares kept warm; a node is added later and
+    the run grows to 3 within the monitor interval and a report. Each iteration once, every
+    row's world size."""
     _add_node(cluster, "node_c", cluster.node_env)
     cluster.wait_for_nodes()
     lost_marker, running_marker = str(tmp_path / "lost"), str(tmp_path / "shrunk")
@@ -358,7 +359,7 @@ result = TorchTrainer(placed_loop, train_loop_config={{
     run_config=RunConfig(name="elastic", storage_path={storage!r}, verbose=0,
                          failure_config=FailureConfig(max_failures=1, hang_timeout_s=120))).fit()
 print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
-""", RAY_ADDRESS=cluster.address)
+""", RAY_ADDRESS=cluster.address, UNBROKEN_WARM_UP_AFTER_S="0")
     try:
         read_marker(lost_fifo, driver, "rank 2 to block at iteration 5")
         lost = placements_of(str(tmp_path), 1, 3)[2]["node_id"]
@@ -386,7 +387,9 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
     assert (second["status"], second["num_workers"], second["elastic"]["reason"]) == (
         "RESIZED", 2, "node lost")
     assert second["started_at"] < added_at, "it shrank without waiting for a node"
-    assert lost not in {p["node_id"] for p in placements_of(str(tmp_path), 2, 2)}
+    shrunk = placements_of(str(tmp_path), 2, 2)
+    assert lost not in {p["node_id"] for p in shrunk}
+    assert all(p["warm"] for p in shrunk), "the 2 ranks started on the spares kept warm on the live nodes"
     assert (third["status"], third["num_workers"], third["elastic"]["reason"]) == (
         "FINISHED", 3, "capacity returned")
     assert third["resumed_iteration"] >= 9 and third["started_at"] - added_at < 2 + 30
@@ -505,6 +508,41 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, t
     assert placements_of(str(tmp_path), 1)[0]["node_id"] in workers  # trials' ranks ran as actors
     assert all(final_weights(r) for r in grid)
     assert tune.Tuner.restore(os.path.join(storage, "sweep"), base).fit().num_terminated == 3
+
+
+def test_elastic_trials_share_the_cluster_by_what_each_holds_now(cluster, storage):
+    """Two elastic trials (1 to 2 workers) on three 1-CPU nodes, both allowed at once: the first
+    takes 2 workers, the second starts beside it on the 1 slot left (it is not counted at its
+    most), and grows to 2 once the first has finished. Each iteration once in both."""
+    from loops import linear_loop
+    from unbroken import tune
+
+    _add_node(cluster, "node_c", cluster.node_env)
+    cluster.wait_for_nodes()
+    try:
+        config = {"step_s": 0.25, "ckpt_every": 10, "on_request": True}
+        base = TorchTrainer(linear_loop, train_loop_config=config,
+                            scaling_config=ScalingConfig(num_workers=(1, 2), engine="ray",
+                                                         elastic_resize_monitor_interval_s=1))
+        grid = tune.Tuner(base, param_space={"train_loop_config": {"iterations": tune.grid_search([30, 60])}},
+                          tune_config=tune.TuneConfig(max_concurrent_trials=2),
+                          run_config=RunConfig(name="elastic-sweep", storage_path=storage, verbose=0)).fit()
+    finally:
+        extra = node_named("node_c")
+        if extra is not None:
+            cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == extra),
+                                allow_graceful=False)
+    assert not grid.errors and len(grid) == 2
+    first, second = sorted(grid, key=lambda r: r.metrics["training_iteration"])
+    assert [r["training_iteration"] for r in first.rows] == list(range(1, 31))
+    assert [r["training_iteration"] for r in second.rows] == list(range(1, 61))
+    (only,) = attempts_at(first.path)
+    assert only["num_workers"] == 2
+    attempts = attempts_at(second.path)
+    assert attempts[0]["num_workers"] == 1, "the second trial started on the slot the first left free"
+    assert attempts[0]["started_at"] < only["ended_at"], "... while the first still ran"
+    assert (attempts[-1]["num_workers"], attempts[-1]["elastic"]["reason"]) == (2, "capacity returned")
+    assert attempts[-1]["started_at"] >= only["ended_at"]
 
 
 def test_a_validation_is_a_ray_task_with_the_given_options(cluster, storage):

@@ -185,13 +185,11 @@ class Controller:
 
     def _size_attempt(self) -> dict[str, Any]:
         """An elastic run: size this attempt from what can be placed now, counting what the
-        previous group kept warm unless it lost a node (then it is released first); a warm
-        group of another size than this attempt's is released. Returns the attempt's record;
+        previous group kept warm unless it lost a node (it released its placement then); a
+        warm group of another size than this attempt's releases its placement too, and the
+        new group starts on its spares where it can. Returns the attempt's record;
         ends the run as ERRORED when too few workers can be placed in time."""
-        if self._warm is not None and self._elastic.reason == "node lost":
-            self._warm.shutdown(kill=True)
-            self._warm = None
-        held = self._warm.num_workers if self._warm is not None else 0
+        held = self._warm.num_workers if self._warm is not None and self._elastic.reason != "node lost" else 0
         try:
             self.scaling, record = self._elastic.next_attempt(held)
         except InsufficientResourcesError as error:
@@ -201,8 +199,7 @@ class Controller:
                                 f"The run and its checkpoints are kept; continue it with {self.restore_hint}"
                                 ) from error
         if self._warm is not None and self._warm.num_workers != self.scaling.num_workers:
-            self._warm.shutdown(kill=True)
-            self._warm = None
+            self._warm.release_placement()
         log.info("run %s: %d workers (%s; %d placeable, at most %d)", self.run.path, self.scaling.num_workers,
                  record["reason"], record["capacity"], self._elastic.sizing.max_workers)
         return record
@@ -219,12 +216,15 @@ class Controller:
 
     def _shut_down_failed(self, group: WorkerGroup) -> None:
         """Kill a failed attempt's group; when it warmed up for a restart, keep what it prepared
-        for the next group (replacing an older group kept warm)."""
+        for the next group (replacing an older group kept warm), and after a lost node only
+        that: the next group is placed anew."""
         group.shutdown(kill=True, keep_warm=not self._cold)
         if not self._cold:
             if self._warm is not None:
                 self._warm.shutdown(kill=True)
             self._warm = group
+            if any(isinstance(e, WorkerDied) and e.node_lost for _, e in self._failures):
+                group.release_placement()  # what it held on the lost node is gone; spares elsewhere stay
 
     def _gives_up(self, error: BaseException, attempt: int) -> bool:
         """Close failed attempt `attempt`; ask the failure policy: False to restart, True (run closed)

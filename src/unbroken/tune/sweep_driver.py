@@ -49,6 +49,7 @@ from unbroken.tune import asha
 from unbroken.tune import search_space as ss
 from unbroken.tune.search.searcher import SearchContext, Searcher
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_main, trial_run_config
+from unbroken.tune.trial_slots import TrialSlots, holding
 from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
 
 log = logging.getLogger("unbroken")
@@ -129,6 +130,7 @@ class SweepDriver:
     concurrency: int
     total: int
     verbose: int = 1
+    slots: TrialSlots | None = None  # on a Ray cluster: whether the next trial fits now
     queue: list[str] = field(default_factory=list)
     ctx: SearchContext | None = None
     _method: str = "fork"
@@ -382,7 +384,7 @@ class SweepDriver:
     def _start_trials(self, running: dict[str, _Running]) -> None:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer
         cannot be built is recorded as ERROR and not counted)."""
-        while len(running) < self.concurrency:
+        while len(running) < self.concurrency and self._fits(running):
             record = self._next()
             if record is None:
                 return
@@ -390,6 +392,12 @@ class SweepDriver:
             if started is not None:
                 running[record.name] = started
                 self._say("%s started with %s; %s", record.name, record.config, self._progress())
+
+    def _fits(self, running: dict[str, _Running]) -> bool:
+        """Whether the next trial fits beside what the running ones hold now (Ray engine)."""
+        if self.slots is None or not running:
+            return True
+        return self.slots.admits([holding(self.storage.child(name)) for name in running])
 
     def _wait(self, running: dict[str, _Running], interrupts: Interrupts) -> list[Any]:
         """Block until a trial process ends, a trial sends, or a signal comes (POLL_S at most, so

@@ -25,7 +25,7 @@ from typing import Any
 
 from unbroken.core.config import RunConfig, generated_name
 from unbroken.errors import RunExistsError, RunNotFoundError
-from unbroken.execution.engine.factory import check_can_run
+from unbroken.execution.engine.factory import check_can_run, cluster_slots
 from unbroken.observe.progress import ensure_log_output
 from unbroken.run.identity import identity
 from unbroken.store import manifest as mf
@@ -47,6 +47,7 @@ from unbroken.tune.search.basic_variant import BasicVariantGenerator
 from unbroken.tune.search.searcher import Searcher
 from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver, reconciled
 from unbroken.tune.trial import check_param_space_keys, check_trainable, cpus_per_trial, trainable_name
+from unbroken.tune.trial_slots import TrialSlots
 from unbroken.tune.tune_config import TuneConfig
 
 log = logging.getLogger("unbroken")
@@ -172,11 +173,12 @@ class Tuner:
             manifest.scheduler = self._scheduler.describe() if self._scheduler is not None else None
             manifest.num_samples, manifest.total_trials = tc.num_samples, total
             manifest.max_concurrent_trials = tc.max_concurrent_trials
+            slots = self._trial_slots()
             driver = SweepDriver(
                 storage=storage, manifest=manifest, previous=previous, lease=lease, trainable=self.trainable,
                 space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
-                metric=self.metric, mode=self.mode, concurrency=self._concurrency(total), total=total,
-                verbose=rc.verbose)
+                metric=self.metric, mode=self.mode, concurrency=self._concurrency(total, slots), total=total,
+                verbose=rc.verbose, slots=slots)
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)
             return driver
@@ -202,7 +204,21 @@ class Tuner:
                 return False
         return True
 
-    def _concurrency(self, total: int) -> int:
+    def _trial_slots(self) -> TrialSlots | None:
+        """On a Ray cluster, the rule that starts a trial only when it fits beside what the
+        running trials hold (see `trial_slots`); None on the local engine."""
+        if not isinstance(self.trainable, BaseTrainer):
+            return None
+        scaling = self.trainable.scaling_config
+        slots = cluster_slots(scaling)
+        return None if slots is None else TrialSlots(slots, scaling.min_workers, scaling.max_workers)
+
+    def _concurrency(self, total: int, slots: TrialSlots | None) -> int:
+        """How many trials run at once: max_concurrent_trials (all, by default), and on the
+        local engine no more than this machine's CPUs hold (on a Ray cluster `slots` decides
+        as the trials run)."""
+        if slots is not None:
+            return max(1, min(self.tune_config.max_concurrent_trials or total, total))
         try:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):

@@ -111,6 +111,14 @@ class WorkerGroup(Protocol):
         Idempotent, and safe after a `start` that raised."""
         ...
 
+    def release_placement(self) -> None:
+        """On a group shut down with `keep_warm`: give back the resources reserved for its
+        ranks, and keep only what it warmed up. The next group then places its ranks anew
+        (the run changes size, or the group lost a node and what it reserved there is gone)
+        and starts those that land where something was kept warm from it. Idempotent; may
+        do nothing (an engine that reserves nothing)."""
+        ...
+
 
 WorkerGroupFactory = Callable[..., WorkerGroup]
 """`factory(scaling, warm=None)`: a new group per attempt. `warm`: the failed group of the

@@ -70,6 +70,16 @@ def capacity_probe(scaling: ScalingConfig):
     return None
 
 
+def cluster_slots(scaling: ScalingConfig) -> int | None:
+    """How many workers of `scaling` the engine's machines hold in all, free or not: on the
+    Ray engine the live nodes' worker slots; None on the local engine (no fixed count)."""
+    if resolve_engine(scaling) == "ray":
+        from unbroken.execution.engine.ray_capacity import cluster_slots as ray_slots
+
+        return ray_slots(scaling)
+    return None
+
+
 def make_worker_group(scaling: ScalingConfig, warm=None):
     """A new worker group for one attempt of a run with `scaling`; `warm`: the previous
     attempt's group, which warmed up for this restart (see `engine.base.WorkerGroupFactory`)."""

@@ -217,6 +217,9 @@ class LocalWorkerGroup:
     def warm_up(self) -> None:
         warm_up(self.num_workers)
 
+    def release_placement(self) -> None:
+        pass  # this machine's processes reserve nothing; the warm forkserver stays
+
     def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         for proc in self.procs:
             if kill and proc.is_alive():

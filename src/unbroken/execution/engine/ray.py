@@ -22,18 +22,13 @@ import os
 import secrets
 import selectors
 import signal
-import socket
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import (
-    AuthenticationError,
     Client,
     Connection,
-    answer_challenge,
-    deliver_challenge,
 )
 from typing import Any
 
@@ -41,12 +36,13 @@ import cloudpickle
 import ray
 import ray.exceptions
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 import unbroken
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
+from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener, no_delay
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
 from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import from_wire, to_wire
@@ -62,7 +58,6 @@ CHECK_S = 0.25
 # After a rank's connection closed without `Done`: how long Ray may take to say why (a killed
 # process: milliseconds; a lost node: ~1.4 s, measured). Past it, the rank is lost all the same.
 WHY_WAIT_S = 2.0
-_HANDSHAKE_S = 10
 # How long a restart waits for the spares to finish warming up (each imports torch once).
 WARM_WAIT_S = 60.0
 
@@ -140,52 +135,12 @@ class RankActor:
         sys.path.extend(p for p in sys_path if p not in sys.path and os.path.isdir(p))
         work = cloudpickle.loads(payload)
         conn = Client(tuple(address), authkey=authkey)
-        _no_delay(conn)
+        no_delay(conn)
         conn.send(("hello", rank))
         try:
             return type(run_worker(work, PipeChannel(conn))).__name__
         finally:
             conn.close()
-
-
-def _no_delay(conn: Connection) -> None:
-    """Small messages each way per report: do not let Nagle's algorithm hold them back."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _Listener:
-    """The driver's end: a TCP server on the driver's node address (port 0: no race) that
-    hands out connections only after they passed the authentication challenge."""
-
-    def __init__(self, host: str, authkey: bytes) -> None:
-        self.authkey = authkey
-        self.sock = socket.create_server((host, 0))
-        self.address = self.sock.getsockname()[:2]
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def accept(self) -> Connection | None:
-        """A connection that proved it holds the secret, or None (a stranger, or one that
-        stalled for 10 s in the handshake)."""
-        sock, _ = self.sock.accept()
-        timeout = struct.pack("ll", _HANDSHAKE_S, 0)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection(sock.detach())
-        try:
-            deliver_challenge(conn, self.authkey)
-            answer_challenge(conn, self.authkey)
-            with socket.socket(fileno=os.dup(conn.fileno())) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-        except (AuthenticationError, OSError, EOFError):
-            conn.close()
-            return None
-        return conn
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _why(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
@@ -205,11 +160,15 @@ class RayWorkerGroup:
     """Ranks as Ray actors in one placement group: a `WorkerGroup` (engine.base).
 
     Warm restarts: once the ranks are in their loop and a failure would be retried,
-    `warm_up` starts one spare actor per bundle of the placement group (no resources of its
-    own), which imports torch and torch._dynamo and waits. After a failure the group is shut
-    down with `keep_warm`, and the next group keeps the placement group and starts its ranks
-    on the spares. When a spare is gone too (its node was lost), or with GPUs (a spare has
-    none assigned), the next group starts cold."""
+    `warm_up` starts one spare actor per bundle, on the bundle's node but outside the
+    placement group (no resources of its own), which imports torch and torch._dynamo and
+    waits. After a failure the group is shut down with `keep_warm`. The next group of the
+    same size keeps the placement group and starts its ranks on the spares; after
+    `release_placement` (an elastic run changing size, or a lost node) it places a new
+    group, and each rank whose bundle lands on a node with a spare starts on it. A spare
+    that is gone (its node was lost) is not waited for; with GPUs (a spare has none
+    assigned) every group starts cold.
+    """
 
     spans_machines = True
 
@@ -221,12 +180,13 @@ class RayWorkerGroup:
         self.spares: list[Any] = []   # by bundle, after warm_up
         self.refs: list[Any] = []     # each rank's running `run` call
         self.metas: list[dict[str, Any]] = []
+        self._spare_nodes: list[str] = []  # each spare's node, by bundle
         self.conns: list[Connection | None] = []
         self._warm = warm
         self._bundles: list[int] = []  # each rank's bundle in the placement group
         self._selector = selectors.DefaultSelector()
         self._wake: Wakeup | None = None
-        self._listener: _Listener | None = None
+        self._listener: Listener | None = None
         self._finished: set[int] = set()
         self._ended: set[int] = set()        # reported as died, or finished
         self._dying: dict[int, WorkerDied] = {}  # shows in the next poll
@@ -259,6 +219,12 @@ class RayWorkerGroup:
 
     def _place(self) -> tuple[list[Any], list[dict[str, Any]]]:
         """A new placement group and one actor per bundle: (actors by bundle, their metas)."""
+        self._reserve()
+        self.actors = [self._actor(i) for i in range(self.num_workers)]  # shutdown kills them all
+        return self.actors, ray.get([a.meta.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+
+    def _reserve(self) -> None:
+        """Place a new placement group of one bundle per rank, or raise naming what is missing."""
         n, strategy = self.num_workers, self.scaling.placement_strategy
         bundle = rank_bundle(self.scaling)
         self.pg = placement_group([bundle] * n, strategy=strategy)
@@ -270,41 +236,76 @@ class RayWorkerGroup:
                 f"{PLACEMENT_TIMEOUT_S:g} s: {missing_resources(bundle, n, strategy)}. Hint: add nodes, or "
                 "lower ScalingConfig(num_workers=..., resources_per_worker=...), or use "
                 "placement_strategy='PACK' (UNBROKEN_RAY_PLACEMENT_TIMEOUT_S sets the wait)") from None
-        gpus, cpus = bundle.pop("GPU", 0), bundle.pop("CPU", 0)
-        self.actors = [self._actor(i, cpus, gpus, bundle) for i in range(n)]  # shutdown kills them all
-        return self.actors, ray.get([a.meta.remote() for a in self.actors], timeout=START_TIMEOUT_S)
 
-    def _actor(self, index: int, cpus: float, gpus: float, resources: dict[str, float]) -> Any:
+    def _actor(self, index: int) -> Any:
+        """A new rank actor in bundle `index` of the placement group, holding the bundle's resources."""
+        resources = rank_bundle(self.scaling)
+        gpus, cpus = resources.pop("GPU", 0), resources.pop("CPU", 0)
         return ray.remote(RankActor).options(
             num_cpus=cpus, num_gpus=gpus, resources=resources, max_restarts=0, max_concurrency=1,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
         ).remote()
 
     def _take_warm(self) -> tuple[list[Any], list[dict[str, Any]]] | None:
-        """The previous group's placement group and spare actors, when every spare still answers."""
+        """Actors by bundle, and their metas, from the previous group's spares: in its placement
+        group when this group has the same size and it was not released, else in a new one,
+        each bundle taking a spare on its node (a new actor where there is none). None when
+        there is nothing warm, or a spare taken does not answer."""
         old, self._warm = self._warm, None
         if old is None or not old.spares:
             return None
-        spares, pg = old.spares, old.pg
-        old.spares, old.pg = [], None
-        self.pg, self.actors = pg, spares  # from here on, this group's to release
+        spares, nodes = old.spares, old._spare_nodes
+        old.spares = []
+        self.actors = spares  # from here on, this group's to release
+        if old.pg is not None and old.num_workers == self.num_workers:
+            self.pg, old.pg = old.pg, None  # spare i sits on the node of bundle i
+        else:
+            old._release()
+            self._reserve()
+            self.actors = self._match(spares, nodes)
         try:
-            return spares, ray.get([a.meta.remote() for a in spares], timeout=WARM_WAIT_S)
+            return self.actors, ray.get([a.meta.remote() for a in self.actors], timeout=WARM_WAIT_S)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             self._release()
             return None
 
+    def _match(self, spares: list[Any], nodes: list[str]) -> list[Any]:
+        """One actor per bundle of the new placement group: a spare on the bundle's node where
+        there is one, else a new actor. The spares left over are killed."""
+        pool: dict[str, list[Any]] = {}
+        for spare, node in zip(spares, nodes, strict=True):
+            pool.setdefault(node, []).append(spare)
+        placed = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        actors = [pool[placed[i]].pop() if pool.get(placed[i]) else self._actor(i)
+                  for i in range(self.num_workers)]
+        _kill([spare for left in pool.values() for spare in left])
+        return actors
+
     def warm_up(self) -> None:
         if self.spares or self.pg is None or self.scaling.use_gpu:
             return
-        self.spares = [self._actor(i, 0, 0, {}) for i in range(self.num_workers)]
+        # Outside the placement group, on the nodes of its bundles: a spare outlives the group
+        # when it is released (another size, a lost node) and serves the next one on its node.
+        self._spare_nodes = [self.metas[self._bundles.index(i)]["node_id"] for i in range(self.num_workers)]
+        self.spares = [ray.remote(RankActor).options(
+            num_cpus=0, max_restarts=0, max_concurrency=1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            for node in self._spare_nodes]
         for spare in self.spares:
             spare.warm.remote(self.num_workers > 1)
+
+    def release_placement(self) -> None:
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.pg = None
 
     def _launch(self, payload: Callable[[Placement], Any], placements: list[Placement]) -> None:
         """Start every rank's `run` and wait until each has connected (or one failed)."""
         authkey = secrets.token_bytes(32)
-        self._listener = _Listener(ray.util.get_node_ip_address(), authkey)
+        self._listener = Listener(ray.util.get_node_ip_address(), authkey)
         self.refs = [actor.run.remote(cloudpickle.dumps(payload(p)), p.rank, self._listener.address,
                                       authkey, list(sys.path))
                      for actor, p in zip(self.actors, placements, strict=True)]
@@ -335,7 +336,7 @@ class RayWorkerGroup:
 
     def _greet(self) -> None:
         conn = self._listener.accept()
-        if conn is None or not conn.poll(_HANDSHAKE_S):
+        if conn is None or not conn.poll(HANDSHAKE_S):
             return
         kind, rank = conn.recv()
         if kind == "hello" and 0 <= rank < self.num_workers and self.conns[rank] is None:
@@ -466,12 +467,7 @@ class RayWorkerGroup:
         """Kill the actors and spares, and give the placement group's resources back."""
         _kill(self.actors + self.spares)
         self.actors, self.spares = [], []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        self.pg = None
+        self.release_placement()
 
 
 def _kill(actors: list[Any]) -> None:
