@@ -5,11 +5,11 @@ elastic, side by side on one local Ray cluster.
 
 Starts `ray.cluster_utils.Cluster` (a head with no CPUs, three nodes with one CPU each) and runs
 each job in a fresh Python process (benchmarks/_elastic_job.py): a tiny DDP loop of 0.1 s steps,
-a checkpoint every 20 steps, rank 0 logging every report. Once a job has reported 150 rows on 3
-workers (15 s: a node is rarely lost in an attempt's first seconds, and unbroken keeps spares
-warm from 10 s on), the node of its last rank is removed without warning; `--outage` seconds later (40) a
-node like it is added back; once the job has reported 30 rows on 3 workers again (or 180 s
-passed) it is told to stop. From the log:
+a checkpoint every 20 steps, rank 0 logging every report. Once a job has reported 30 rows on 3
+workers, and 15 s after its first (a node is rarely lost in an attempt's first seconds, and
+unbroken keeps spares warm from 10 s on), the node of its last rank is removed without
+warning; `--outage` seconds later (40) a node like it is added back; once the job has
+reported 30 rows on 3 workers again (or 180 s passed) it is told to stop. From the log:
 
 - shrink: node removed -> the next attempt's first row (on fewer workers, for an elastic run;
   after the node's return, for the fixed-size run);
@@ -37,8 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_elastic_job.py")
 FRAMEWORKS = ("unbroken-elastic", "unbroken-elastic+jit", "unbroken-fixed", "ray-v2-elastic")
 PARAMS = {"step_s": 0.1, "every": 20, "monitor_s": 5.0}
-ROWS_BEFORE = 150  # on 3 workers, before the node is removed
-ROWS_AFTER = 30  # on 3 workers again, after it is back
+ROWS = 30  # on 3 workers, before the node is removed, and again after it is back
+SETTLE_S = 15.0  # from the first row on 3 workers to the node's removal, at least
 MB = 2**20
 
 
@@ -78,8 +78,10 @@ def run_job(cluster, framework: str, root: str, outage: float) -> dict | None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work)
     result = None
     try:
-        if not wait_rows(work, proc, ROWS_BEFORE, 0.0, 300):
+        if not wait_rows(work, proc, ROWS, 0.0, 300):
             raise RuntimeError("the job did not reach 3 workers")
+        first = min(r["t"] for r in rows(work) if r["ws"] == 3)
+        time.sleep(max(0.0, first + SETTLE_S - time.time()))
         last = max(int(n[5:-5]) for n in os.listdir(work) if n.startswith("node-"))
         node_id = json.load(open(os.path.join(work, f"node-{last}.json")))["node_id"]
         lost_at = time.time()
@@ -88,7 +90,7 @@ def run_job(cluster, framework: str, root: str, outage: float) -> dict | None:
         time.sleep(outage)
         back_at = time.time()
         cluster.add_node(num_cpus=1, object_store_memory=80 * MB)
-        grew = wait_rows(work, proc, ROWS_AFTER, back_at, 180)
+        grew = wait_rows(work, proc, ROWS, back_at, 180)
         result = measure(rows(work), lost_at, back_at, grew)
     except Exception as e:  # noqa: BLE001 - a failed job is reported, the others still run
         print(f"[bench] {framework} failed: {e}", file=sys.stderr)

@@ -341,8 +341,9 @@ def test_an_elastic_run_shrinks_at_once_on_a_lost_node_and_grows_back_when_one_r
         cluster, storage, tmp_path):
     """num_workers=(2, 3) on three 1-CPU nodes: a node is removed mid-run and no node replaces it,
     so the run goes on with 2 workers at once, on the spares kept warm; a node is added later and
-    the run grows to 3 within the monitor interval and a report. Each iteration once, every
-    row's world size."""
+    the run stops to grow to 3 within the monitor interval and a report. The driver is SIGKILLed
+    right then, between the two attempts of the resize, and a restore goes on on 3 workers
+    from the checkpoint the resize took. Each iteration once, every row's world size."""
     _add_node(cluster, "node_c", cluster.node_env)
     cluster.wait_for_nodes()
     lost_marker, running_marker = str(tmp_path / "lost"), str(tmp_path / "shrunk")
@@ -359,7 +360,8 @@ result = TorchTrainer(placed_loop, train_loop_config={{
     run_config=RunConfig(name="elastic", storage_path={storage!r}, verbose=0,
                          failure_config=FailureConfig(max_failures=1, hang_timeout_s=120))).fit()
 print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
-""", RAY_ADDRESS=cluster.address, UNBROKEN_WARM_UP_AFTER_S="0")
+""", RAY_ADDRESS=cluster.address, UNBROKEN_WARM_UP_AFTER_S="0", UNBROKEN_FAULT="after_resize_stop:1")
+    path = os.path.join(storage, "elastic")
     try:
         read_marker(lost_fifo, driver, "rank 2 to block at iteration 5")
         lost = placements_of(str(tmp_path), 1, 3)[2]["node_id"]
@@ -370,7 +372,13 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
         added_at = time.time()
         _add_node(cluster, name, {**cluster.node_env, **({OTHER_ROOT: cluster.other_root} if name == "node_b"
                                                          else {})})
-        out, err = driver.communicate(timeout=240)
+        _, err = driver.communicate(timeout=240)
+        assert driver.returncode == -signal.SIGKILL, err
+        restored = start_script(f"""
+from unbroken.train.torch import TorchTrainer
+print("ROWS", TorchTrainer.restore({path!r}).fit().metrics_dataframe["training_iteration"].tolist())
+""", RAY_ADDRESS=cluster.address)
+        out, err = restored.communicate(timeout=240)
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -378,9 +386,8 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
         if extra is not None:
             cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == extra),
                                 allow_graceful=False)
-    assert driver.returncode == 0, err
+    assert restored.returncode == 0, err
     assert printed_rows(out) == list(range(1, 61)), "each iteration once"
-    path = os.path.join(storage, "elastic")
     first, second, third = attempts_at(path)
     assert (first["status"], first["num_workers"], first["elastic"]["reason"]) == ("ERRORED", 3, "start")
     assert "lost with its node" in first["error"]
@@ -390,9 +397,9 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
     shrunk = placements_of(str(tmp_path), 2, 2)
     assert lost not in {p["node_id"] for p in shrunk}
     assert all(p["warm"] for p in shrunk), "the 2 ranks started on the spares kept warm on the live nodes"
-    assert (third["status"], third["num_workers"], third["elastic"]["reason"]) == (
-        "FINISHED", 3, "capacity returned")
-    assert third["resumed_iteration"] >= 9 and third["started_at"] - added_at < 2 + 30
+    assert second["ended_at"] - added_at < 2 + 30, "it stopped to grow within the interval and a report"
+    assert (third["status"], third["num_workers"], third["elastic"]["reason"]) == ("FINISHED", 3, "start")
+    assert third["resumed_iteration"] >= 9, "the restore resumed from the checkpoint the resize took"
     rows = Result.from_path(path).metrics_dataframe
     sizes = dict(zip(rows["training_iteration"], rows["world_size"], strict=True))
     assert {sizes[i] for i in range(second["resumed_iteration"] + 1, third["resumed_iteration"] + 1)} == {2}
