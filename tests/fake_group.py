@@ -116,6 +116,7 @@ class FakeWorkerGroup:
     """`num_workers` scripted ranks; `scripts[rank]` is what rank does, step by step."""
 
     spans_machines = False
+    can_rejoin = False
 
     def warm_up(self) -> None:
         self.warmed = True

@@ -218,7 +218,8 @@ def exact_loop(config: dict) -> None:
     `echo` prints "STEP n" on rank 0 after each step's report; `async_save` saves in the
     background. `jit`: just-in-time checkpoints and per-step random streams (step_seed 7), with
     die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|hang) striking
-    right after that step's report, before the next step begins.
+    right after that step's report, before the next step begins. `pid_dir`: each rank writes
+    its process id to rank<r>-a<attempt> there.
     """
     from unbroken.train.torch import TrainState, prepare_data_loader
 
@@ -238,6 +239,9 @@ def exact_loop(config: dict) -> None:
                        best=None, async_save=config.get("async_save", False),
                        **({"jit_checkpoint": True, "step_seed": 7} if config.get("jit") else {}))
     state.restore()
+    if config.get("pid_dir"):  # which process ran this rank in this attempt
+        with open(os.path.join(config["pid_dir"], f"rank{rank}-a{ctx.get_attempt()}"), "w") as f:
+            f.write(str(os.getpid()))
     kills = [tuple(k) for k in config.get("kill_at", [])]
     for epoch in range(state.epoch, config["epochs"]):
         for x, y, idx in loader:

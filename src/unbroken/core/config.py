@@ -129,11 +129,19 @@ class FailureConfig:
     controller is the driver process itself (a killed driver's run continues when the script
     runs again), and a preemption signal to the driver commits a checkpoint and stops the run
     as INTERRUPTED rather than counting as a failure. `fail_fast` (V1) raises at the first failure.
+
+    `recover_in_place`: when a rank fails in a run whose ranks hold a `TrainState(...,
+    jit_checkpoint=True, step_seed=...)`, the surviving ranks keep their processes, only the
+    failed ranks are started again, and the state of the last complete report goes from a
+    survivor to every rank over the new process group instead of through storage (local
+    engine; elsewhere, and whenever no survivor holds a clean state, the run restarts as
+    before). It still counts as a failure against `max_failures`.
     """
 
     max_failures: int = 0
     fail_fast: bool = False
     hang_timeout_s: float | None = None
+    recover_in_place: bool = False
     controller_failure_limit: int = -1
     max_preemption_failures: int = -1
 
@@ -234,3 +242,13 @@ class RunConfig:
         if self.storage_path:
             return str(self.storage_path)
         return os.environ.get("UNBROKEN_STORAGE") or os.path.expanduser("~/unbroken_results")
+
+
+def stop_met(stop: Any, row: dict[str, Any]) -> bool:
+    """`RunConfig.stop`'s meaning for a metric row: a callable's verdict, or any
+    `key >= threshold` of a dict."""
+    if not stop:
+        return False
+    if callable(stop):
+        return bool(stop(row))
+    return any(key in row and row[key] >= threshold for key, threshold in stop.items())

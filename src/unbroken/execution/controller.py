@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from unbroken.core import faults
-from unbroken.core.config import RunConfig, ScalingConfig
+from unbroken.core.config import RunConfig, ScalingConfig, stop_met
 from unbroken.errors import (
     InsufficientResourcesError,
     LeaseLostError,
@@ -27,11 +27,13 @@ from unbroken.errors import (
     WorkerDied,
 )
 from unbroken.execution import controller_state as states
+from unbroken.execution import in_place
 from unbroken.execution.collective_calls import CollectiveCalls
 from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
-from unbroken.execution.jit_coordinator import Coordinator, commit_just_in_time
+from unbroken.execution.in_place import InPlacePlan
+from unbroken.execution.jit_coordinator import Coordinator
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.rank_payload import rank_payload
 from unbroken.execution.report_rounds import ReportRounds
@@ -108,6 +110,8 @@ class Controller:
         # An elastic run (num_workers=(min, max)): each attempt's size, from the engine's `capacity`.
         self._elastic = (ElasticScaler(self.scaling, capacity or Unbounded())
                          if self.scaling.elasticity_enabled else None)
+        self._in_place: InPlacePlan | None = None  # the failing attempt's ranks stay (see in_place)
+        self._rejoin: tuple[WorkerGroup, InPlacePlan] | None = None  # ... for the next attempt
         self._placements: list[Placement] = []  # the attempt's ranks, by rank
         self._failures: list[tuple[int, BaseException]] = []  # the attempt's failures, by rank
 
@@ -137,24 +141,33 @@ class Controller:
                 self._validations.close()  # one still in flight runs again under the next driver
                 if self._warm is not None:
                     self._warm.shutdown(kill=True)  # what it kept warm, unless a later group took it
+                if self._rejoin is not None:
+                    self._rejoin[0].shutdown(kill=True)  # ranks that stayed for an attempt not begun
                 self._record(self.run.lease.release)  # also when an attempt could not even begin
 
     def _attempt(self) -> bool:
         """One attempt: True when the run finished, False when the workers should restart."""
         self._transition(states.Starting(self.run.manifest.attempt_count + 1))
-        self._placements, self._failures = [], []
+        self._placements, self._failures, self._in_place = [], [], None
+        rejoin, self._rejoin = self._rejoin, None
         elastic = self._size_attempt() if self._elastic is not None else None
-        resume = self.run.begin_attempt(self.scaling.num_workers, elastic)
+        peer = rejoin[1] if rejoin is not None else None
+        resume = self.run.begin_attempt(self.scaling.num_workers, elastic, peer.record() if peer else None)
         attempt = self.run.attempt.number
-        if resume is not None:
+        if peer is not None:
+            log.info("run %s: attempt %d recovers in place from round %d (rank %d sends its state; ranks %s "
+                     "start again)", self.run.path, attempt, peer.iteration, peer.source, list(peer.replaced))
+        elif resume is not None:
             log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
         group = None
         try:
-            group = self.group_factory(self.scaling, warm=self._warm)
-            self._start(group, resume, attempt)
+            group = rejoin[0] if rejoin is not None else self.group_factory(self.scaling, warm=self._warm)
+            self._start(group, resume, attempt, peer)
             self._drive(group)
         except BaseException as error:
-            if group is not None:
+            if group is not None and self._in_place is not None:
+                self._rejoin = (group, self._in_place)  # its ranks stay for the next attempt
+            elif group is not None:
                 self._shut_down_failed(group)
             if self._elastic is not None:
                 self._elastic.failed([(self._placements[r].node_id, bool(e.node_lost))
@@ -204,13 +217,17 @@ class Controller:
                  record["reason"], record["capacity"], self._elastic.sizing.max_workers)
         return record
 
-    def _start(self, group: WorkerGroup, resume: Marker | None, attempt: int) -> None:
-        """Start the ranks of attempt `attempt` on `group`, resuming from `resume` if given."""
+    def _start(self, group: WorkerGroup, resume: Marker | None, attempt: int,
+               peer: InPlacePlan | None = None) -> None:
+        """Start the ranks of attempt `attempt` on `group`, resuming from `resume` if given, or
+        from a peer's state on the ranks that stayed (`peer`: a recovery in place)."""
         self._cold = True
         probe = self.run.write_probe(PROBE) if group.spans_machines else None
-        self._placements = group.start(functools.partial(
+        payload = functools.partial(
             rank_payload, self.run, self._worker_trainer, self.scaling, self._validations.config is not None,
-            resume, probe))
+            resume, probe, (peer.source, peer.iteration) if peer is not None else None)
+        self._placements = (group.rejoin(payload, set(peer.replaced)) if peer is not None
+                            else group.start(payload))
         self._started = time.monotonic()
         self._transition(states.Running(attempt))
 
@@ -267,21 +284,22 @@ class Controller:
 
     def _save_just_in_time(self, group: WorkerGroup, rounds: ReportRounds,
                            failures: list[tuple[int, BaseException]]) -> None:
-        """The failure is final: when the ranks' TrainState can (`jit_checkpoint`), have a
-        surviving rank save the last complete round, commit it as that round's checkpoint, and
-        say in the attempt record what happened."""
+        """The failure is final: when the ranks' TrainState can (`jit_checkpoint`), have the
+        survivors stay for a recovery in place (`in_place`), or else a surviving rank save the
+        last complete round, commit it as that round's checkpoint, and say in the attempt
+        record what happened."""
         if not self._jit.armed or self._jit.closed:
             return
-
-        def running() -> set[int]:
-            return set(range(rounds.num_workers)) - rounds.failed - set(rounds.done)
 
         def events(timeout: float) -> Iterator[tuple[int, Any]]:
             for rank, message in group.poll(timeout):
                 self._take(group, rounds, failures, rank, message)
                 yield rank, message
 
-        self.run.attempt.jit_checkpoint = commit_just_in_time(self.run, self._jit, group, running, events)
+        may_stay = (self.run_config.failure_config.recover_in_place and getattr(group, "can_rejoin", False)
+                    and self._elastic is None and self.policy.can_retry())
+        self._in_place = in_place.settle(self.run, self._jit, group, rounds.num_workers, may_stay,
+                                         lambda: rounds.running, events)
 
     def _drive(self, group: WorkerGroup) -> None:
         """Process worker messages until every worker is done; raise on any failure.
@@ -444,7 +462,7 @@ class Controller:
         """The reply to round `iteration`: stop when its row meets `RunConfig.stop`; while Stopping
         for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint). It
         names the checkpoint the round committed, if it did."""
-        stop = _stop_met(self.run_config.stop, row)
+        stop = stop_met(self.run_config.stop, row)
         latest = self.run.checkpoints.latest
         committed = latest.name if latest is not None and latest.iteration == iteration else None
         state = self.state
@@ -473,17 +491,8 @@ class Controller:
     @staticmethod
     def _tell_running(group: WorkerGroup, rounds: ReportRounds, message: Any) -> None:
         """Send `message` to every rank that has neither finished nor failed."""
-        for rank in range(rounds.num_workers):
-            if rank not in rounds.done and rank not in rounds.failed:
-                try:
-                    group.send(rank, message)
-                except OSError:
-                    pass  # it ended meanwhile: its Done or its death is on the way
-
-
-def _stop_met(stop: Any, row: dict) -> bool:
-    if not stop:
-        return False
-    if callable(stop):
-        return bool(stop(row))
-    return any(key in row and row[key] >= threshold for key, threshold in stop.items())
+        for rank in sorted(rounds.running):
+            try:
+                group.send(rank, message)
+            except OSError:
+                pass  # it ended meanwhile: its Done or its death is on the way

@@ -17,10 +17,11 @@ from unbroken.worker.session import WorkerInfo
 
 
 def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool, resume: Marker | None,
-                 probe: str | None, placement: Placement) -> WorkerPayload:
+                 probe: str | None, peer: tuple[int, int] | None, placement: Placement) -> WorkerPayload:
     """The payload of the rank at `placement` in the current attempt of `run`, resuming from
     `resume` (else the trainer's `resume_from_checkpoint`); `scaling`: the attempt's size;
-    `probe`: the token ranks on other nodes read back to check that they share storage."""
+    `probe`: the token ranks on other nodes read back to check that they share storage;
+    `peer`: recovering in place, (the rank that sends the state, the round it is from)."""
     checkpoint = None
     if resume is not None:
         checkpoint = Checkpoint(run.storage.url(resume.name), run.storage.filesystem_arg)
@@ -30,10 +31,11 @@ def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool
         world_rank=placement.rank, world_size=scaling.num_workers, local_rank=placement.local_rank,
         local_world_size=placement.local_world_size, node_rank=placement.node_rank,
         experiment_name=run.manifest.name, run_path=run.path, storage=run.storage,
-        attempt=run.attempt.number, start_iteration=resume.iteration if resume else 0,
+        attempt=run.attempt.number, start_iteration=run.attempt.resumed_iteration,
         checkpoint=checkpoint, storage_path=split_run_url(run.storage.url())[0],
         cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
         node_address=placement.node_address, probe=probe, env=faults.carried_env(), validates=validates,
+        peer_source=peer[0] if peer is not None else None,
         **getattr(trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
     info.env.update(trainer.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
     return WorkerPayload(info=info, trainer=trainer)

@@ -36,6 +36,11 @@ class ReportRounds:
     def all_done(self) -> bool:
         return len(self.done) == self.num_workers
 
+    @property
+    def running(self) -> set[int]:
+        """The ranks that have neither finished nor failed."""
+        return set(range(self.num_workers)) - self.failed - set(self.done)
+
     def heard(self, now: float) -> None:
         """A message arrived at `now` (progress, for the hang timeout)."""
         self.last_heard = now

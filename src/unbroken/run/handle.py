@@ -59,9 +59,12 @@ class Run:
         return token
 
     # -- attempts -----------------------------------------------------------------------
-    def begin_attempt(self, num_workers: int, elastic: dict[str, Any] | None = None) -> Marker | None:
+    def begin_attempt(self, num_workers: int, elastic: dict[str, Any] | None = None,
+                      in_place: dict[str, Any] | None = None) -> Marker | None:
         """Start a new attempt from the newest committed checkpoint; returns its marker.
-        `elastic`: why an elastic run's attempt has this size (Attempt.elastic)."""
+        `elastic`: why an elastic run's attempt has this size (Attempt.elastic). `in_place`:
+        the attempt recovers in place from the state of round `in_place["iteration"]`, which
+        a rank holds (Attempt.in_place), and not from the checkpoint."""
         self.lease.beat()
         resume = self.checkpoints.recover()
         self.checkpoints.retain()
@@ -69,10 +72,15 @@ class Run:
             if earlier.status == mf.RUNNING:  # its driver died without recording an end
                 earlier.status = mf.ABORTED
                 earlier.error = earlier.error or "the driver stopped without recording an end (killed?)"
+        base = resume.metrics if resume else {}
+        if in_place is not None:
+            base = self.history.last or {}  # the row of the round it resumes from
         self.attempt = Attempt(number=self.manifest.attempt_count + 1, started_at=time.time(),
-                               resumed_from=resume.name if resume else None,
-                               resumed_iteration=resume.iteration if resume else 0,
-                               num_workers=num_workers, config_change=self.config_change, elastic=elastic)
+                               resumed_from=resume.name if resume and in_place is None else None,
+                               resumed_iteration=(in_place["iteration"] if in_place is not None
+                                                  else resume.iteration if resume else 0),
+                               num_workers=num_workers, config_change=self.config_change, elastic=elastic,
+                               in_place=in_place)
         self.config_change = None  # a restart within this fit() changes nothing more
         self.manifest.attempts.append(self.attempt)
         self.manifest.status = mf.RUNNING
@@ -80,7 +88,7 @@ class Run:
         self.save_manifest()
         if not self.history.opened:  # after run.json exists: a new run's first files are in order
             self.history.open()
-        self._time_base = float(resume.metrics.get("time_total_s", 0.0)) if resume else 0.0
+        self._time_base = float(base.get("time_total_s", 0.0))
         self._attempt_t0 = self._last_report_t = time.monotonic()
         self.callbacks.attempt_started()
         return resume

@@ -62,6 +62,11 @@ class Attempt:
     # it has: {"reason": "node lost", "capacity": 2, "previous": 3}; reasons: "start", "rank lost",
     # "node lost", "failure", "capacity returned". Only in run.json for elastic runs.
     elastic: dict[str, Any] | None = None
+    # When this attempt recovered in place (FailureConfig(recover_in_place=True)): the round it
+    # resumed from, the rank that sent its state, the ranks that kept their processes and those
+    # started again: {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}. Only in
+    # run.json when there is one; `resumed_from` is then None (nothing was read from storage).
+    in_place: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:
@@ -101,7 +106,7 @@ class RunManifest(Manifest):
     def to_bytes(self) -> bytes:
         raw = self.to_dict()
         for attempt in raw["attempts"]:
-            for optional in ("config_change", "jit_checkpoint", "elastic"):
+            for optional in ("config_change", "jit_checkpoint", "elastic", "in_place"):
                 if attempt[optional] is None:
                     del attempt[optional]
         return json.dumps(raw, indent=1, sort_keys=True, default=repr).encode()

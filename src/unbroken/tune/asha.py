@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from unbroken.core.config import stop_met
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
 
@@ -116,15 +117,6 @@ def forget_trial(storage: Storage, trial: str) -> None:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def stop_met(stop: Any, row: dict[str, Any]) -> bool:
-    """RunConfig.stop's meaning: a callable's verdict, or any `key >= threshold` of a dict."""
-    if not stop:
-        return False
-    if callable(stop):
-        return bool(stop(row))
-    return any(key in row and row[key] >= threshold for key, threshold in stop.items())
 
 
 class TrialStopper:

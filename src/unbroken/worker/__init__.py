@@ -1,7 +1,7 @@
 """Layer 3b, worker: what runs in each rank, on any engine.
 
 The driver-worker messages (`protocol`) and the rank's end of its link to the driver
-(`channel`), the rank's body (`runner.run_worker`), the `Session` behind `train.report` and
+(`channel`), the rank's body (`runner.serve`), the `Session` behind `train.report` and
 friends (`session`, with Ray V2's report options in `report_config`), asynchronous saves
 (`async_save`), backends and torch.distributed set-up (`backend`, `torch_backend`),
 `TrainState` (`train_state`) and the worker's half of just-in-time checkpoints (`jit`).

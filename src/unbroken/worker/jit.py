@@ -59,7 +59,7 @@ from unbroken.state.sample_seed import sample_seed, seed_generators
 from unbroken.state.state_file import build_payload, capture_rng, restore_rng, unwrap, write_files
 from unbroken.store.commit import FileEntry, staging_name, write_rank_files
 from unbroken.worker import session as session_mod
-from unbroken.worker.protocol import JitArmed, JitOffer, JitSave, JitSaved
+from unbroken.worker.protocol import JitArmed, JitOffer, JitSave, JitSaved, Stay
 
 if TYPE_CHECKING:
     from unbroken.worker.session import Session
@@ -213,19 +213,23 @@ def offer(session: Session) -> bool:
     return True
 
 
-def save_if_asked(session: Session) -> None:
-    """Wait for the driver's word on this rank's offer and save when it says so."""
+def save_if_asked(session: Session) -> Stay | None:
+    """Wait for the driver's word on this rank's offer and save when it says so; returns it
+    when it says to stay for a recovery in place (see `peer_state`)."""
     message = session.channel.recv()
-    while not isinstance(message, JitSave):  # skip the reply to the last report, and the like
+    while not isinstance(message, (JitSave, Stay)):  # skip the reply to the last report, and the like
         message = session.channel.recv()
+    if isinstance(message, Stay):
+        return message
     if message.iteration is None or session.jit is None:
-        return
+        return None
     try:
         files = save(session, session.jit, message.iteration)
     except Exception as e:  # noqa: BLE001 - the driver falls back and says why
         session.send(JitSaved(message.iteration, None, f"{type(e).__name__}: {e}"))
-        return
+        return None
     session.send(JitSaved(message.iteration, files))
+    return None
 
 
 def save(session: Session, tracker: Tracker, iteration: int) -> list[FileEntry]:

@@ -8,11 +8,13 @@ complete round with a `Reply`, forwards rank 0's `Rendezvous` to the other ranks
 a checkpoint's validation is recorded (see `validations`). With just-in-time
 checkpoints a rank says `JitArmed` once, a failing rank sends `JitOffer` before its `Failed`
 and waits for the driver's `JitSave`, and the chosen rank answers with `JitSaved` (see
-`jit_checkpoint`). A collective call with no process group under it (`train.collective`)
-is a `Gather` from every rank, answered with one `Gathered` to each. A trial's process
-ends with `TrialDone`, `TrialInterrupted` or `TrialFailed`. How a message travels (a pipe,
-a socket) is the engine's business; what it means is here, and `to_wire` / `from_wire` give
-an engine a cheap form to send.
+`jit_checkpoint`); when the run recovers in place, the driver answers `Stay` instead, and
+later sends the rank its next attempt as a `Rejoin` (see `peer_state`). A collective call
+with no process group under it (`train.collective`) is a `Gather` from every rank,
+answered with one `Gathered` to each. A trial's process ends with `TrialDone`,
+`TrialInterrupted` or `TrialFailed`. How a message travels (a pipe, a socket) is the
+engine's business; what it means is here, and `to_wire` / `from_wire` give an engine a
+cheap form to send.
 """
 
 from __future__ import annotations
@@ -118,6 +120,24 @@ class JitSave:
 
 
 @dataclass(slots=True)
+class Stay:
+    """The driver's word to a rank that offered, when the run recovers in place (see
+    `peer_state`): do not save and do not exit; the next attempt starts in this process (its
+    payload comes as a `Rejoin`), from the state of report `iteration`, which rank `source`
+    holds and sends to every rank."""
+
+    source: int
+    iteration: int
+
+
+@dataclass(slots=True)
+class Rejoin:
+    """The next attempt's payload (a cloudpickled `WorkerPayload`) for a rank that stayed."""
+
+    payload: bytes
+
+
+@dataclass(slots=True)
 class JitSaved:
     """The just-in-time checkpoint `iteration` is staged (`files`), or could not be (`error`)."""
 
@@ -183,7 +203,7 @@ TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
 # -- on the wire --------------------------------------------------------------------------------
 _KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
                             TrialFailed, Staged, Committed, JitArmed, JitOffer, JitSave, JitSaved, Gather,
-                            Gathered, Validated)
+                            Gathered, Validated, Stay, Rejoin)
 _TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
 
 

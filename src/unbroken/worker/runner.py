@@ -1,7 +1,8 @@
 """A worker's body, the same on every engine: set up, run the trainer's training loop, say
 how it ended.
 
-`run_worker(payload, channel)` is all an engine runs in a rank; it never ignores signals,
+`serve(payload, channel)` is all an engine runs in a rank: one attempt (`run_worker`), and
+the next ones when the run recovers in place; it never ignores signals,
 ties its life to a parent or exits the process (a long-lived worker of another engine must
 outlive it). Those process-level concerns belong to the engine's own wrapper, e.g.
 `engine.local.worker_process`.
@@ -19,9 +20,10 @@ import cloudpickle
 
 from unbroken.errors import StorageNotSharedError
 from unbroken.worker import jit as jit_checkpoint
+from unbroken.worker import peer_state
 from unbroken.worker import session as session_mod
 from unbroken.worker.channel import Channel
-from unbroken.worker.protocol import Done, Failed, Outcome, Rendezvous
+from unbroken.worker.protocol import Done, Failed, Outcome, Rejoin, Rendezvous
 from unbroken.worker.session import Session, StopTraining, WorkerInfo
 
 
@@ -64,9 +66,35 @@ def check_storage_shared(info: WorkerInfo) -> None:
             "RunConfig(storage_path=...)")
 
 
-def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
+def serve(payload: WorkerPayload, channel: Channel) -> Outcome:
+    """Run this rank's attempts in this process: the first from `payload`; then, each time the
+    driver answers a failure with `Stay` (a recovery in place, see `peer_state`), the next
+    attempt it sends as a `Rejoin`. Returns the last attempt's outcome."""
+    outcome, staying = run_worker(payload, channel)
+    while staying is not None:
+        try:
+            message = channel.recv()
+            while not isinstance(message, Rejoin):  # what was on its way to the failed attempt
+                message = channel.recv()
+        except (OSError, EOFError):
+            break  # the driver is gone, or gave up and closed this rank's channel
+        outcome, staying = run_worker(cloudpickle.loads(message.payload), channel, staying.kept)
+    return outcome
+
+
+@dataclass
+class Staying:
+    """This rank stays for the next attempt; `kept`: the state it sends to every rank then
+    (its source rank only)."""
+
+    kept: dict[str, Any] | None
+
+
+def run_worker(payload: WorkerPayload, channel: Channel,
+               kept: dict[str, Any] | None = None) -> tuple[Outcome, Staying | None]:
     """Run one rank's part of an attempt; sends the outcome (Done or Failed) to the driver as
-    the last message, and returns it."""
+    the last message, and returns it, with whether the driver asked this rank to stay for
+    the next attempt. `kept`: recovering in place, the state this rank sends to every rank."""
     info, trainer = payload.info, payload.trainer
     _set_up(info)
     session = Session(info, channel, getattr(trainer, "datasets", None))
@@ -80,11 +108,14 @@ def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
         return session.receive(Rendezvous).value  # a `Validated` may come first (a validation ended)
 
     outcome: Outcome
+    staying: Staying | None = None
     try:
         try:
             if info.probe is not None:
                 check_storage_shared(info)
             backend.on_start(session, rendezvous)
+            peer_state.share(session, kept)
+            kept = None
             try:
                 trainer.training_loop()
             except StopTraining:
@@ -97,11 +128,15 @@ def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
             except Exception:
                 blob = None
             outcome = Failed(traceback.format_exc(), blob)
+        kept = None
         try:
             offered = isinstance(outcome, Failed) and jit_checkpoint.offer(session)
             channel.send(outcome)
-            if offered:
-                jit_checkpoint.save_if_asked(session)  # the last report's state, if the driver says so
+            if isinstance(outcome, Failed):  # after it: this error, not a peer's, is the first
+                peer_state.release_group(session, backend)  # its peers blocked on it go on at once
+            stay = jit_checkpoint.save_if_asked(session) if offered else None
+            if stay is not None:
+                staying = Staying(peer_state.keep(session) if stay.source == info.world_rank else None)
         except (OSError, EOFError):
             pass  # the driver is gone
     finally:
@@ -110,4 +145,4 @@ def run_worker(payload: WorkerPayload, channel: Channel) -> Outcome:
         except Exception:
             pass
         session_mod.install(None)
-    return outcome
+    return outcome, staying

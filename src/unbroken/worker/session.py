@@ -85,6 +85,7 @@ class WorkerInfo:
     node_address: str = "127.0.0.1"   # where the other ranks reach this rank's machine
     probe: str | None = None          # the token the driver wrote for `engine.worker` to check
     validates: bool = False           # the trainer has a ValidationConfig: validations get done
+    peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
 
 
 class TrainContext:
@@ -179,6 +180,7 @@ class Session:
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self.context = TrainContext(info, self)
         self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
+        self.peer_state: dict[str, Any] | None = None  # recovering in place: the state a peer sent
         self.saver = BackgroundSave()  # this rank's asynchronous save in flight
         self._send_lock = threading.Lock()  # the saver's thread sends too
         self._saved_async = 0  # the iteration of this rank's latest asynchronous save

@@ -324,7 +324,13 @@ class TrainState:
         checkpoint and this state have in common and logs the rest.
         """
         if checkpoint is None:
-            checkpoint = session_mod.current("TrainState.restore()").get_checkpoint()
+            session = session_mod.current("TrainState.restore()")
+            if session.peer_state is not None:  # recovering in place: a peer sent the state
+                self._apply(session.peer_state, "the state a surviving rank sent", strict)
+                session.peer_state = None
+                self._start_step_streams()
+                return True
+            checkpoint = session.get_checkpoint()
         if checkpoint is None:
             self._start_step_streams()
             return False
@@ -351,6 +357,26 @@ class TrainState:
                 "Hint: a run that saved its own files must keep loading them itself from "
                 "train.get_checkpoint(); start a new run to use TrainState")
         payload = read_payload(path)
+        self._apply(payload, directory, strict)
+        rank, _ = worker_ranks()
+        rng_path = os.path.join(directory, rng_file(rank))
+        if not os.path.exists(rng_path):
+            logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
+                           "generators keep their current state", rank, directory,
+                           payload.get("world_size"))
+            return
+        # Last, so that nothing done while loading draws from the restored generators.
+        rng = torch.load(rng_path, weights_only=True, map_location="cpu")
+        generators = rng.pop("generators", {})
+        self._compare("generator", self._generators, generators, strict, directory)
+        for name, g in self._generators.items():
+            if name in generators:
+                g.set_state(generators[name])
+        restore_rng(rng)
+
+    def _apply(self, payload: dict[str, Any], directory: str, strict: bool) -> None:
+        """Load `train_state.pt`'s contents (from `directory`, or as a peer sent them) into the
+        objects and the plain values."""
         state_dicts: dict[str, Any] = payload["state_dicts"]
         values: dict[str, Any] = payload["values"]
         sharded = payload.get("sharded") or {"names": []}
@@ -373,21 +399,6 @@ class TrainState:
         for name in self._values:
             if name in values:
                 self._values[name] = values[name]
-        rank, _ = worker_ranks()
-        rng_path = os.path.join(directory, rng_file(rank))
-        if not os.path.exists(rng_path):
-            logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
-                           "generators keep their current state", rank, directory,
-                           payload.get("world_size"))
-            return
-        # Last, so that nothing done while loading draws from the restored generators.
-        rng = torch.load(rng_path, weights_only=True, map_location="cpu")
-        generators = rng.pop("generators", {})
-        self._compare("generator", self._generators, generators, strict, directory)
-        for name, g in self._generators.items():
-            if name in generators:
-                g.set_state(generators[name])
-        restore_rng(rng)
 
     def _load_sharded(self, shards: str, names: list[str], saved_torch: str | None) -> None:
         """Load the model (and optimizer) saved through torch.distributed.checkpoint,

@@ -111,6 +111,18 @@ class WorkerGroup(Protocol):
         Idempotent, and safe after a `start` that raised."""
         ...
 
+    can_rejoin: bool
+    """The group can start an attempt on the ranks of the failed one that stayed (`rejoin`)."""
+
+    def rejoin(self, payload: Callable[[Placement], Any], replaced: set[int]) -> list[Placement]:
+        """Only where `can_rejoin`, on a group whose attempt failed and whose ranks outside
+        `replaced` were told to stay (a recovery in place, see `worker.peer_state`): start the
+        next attempt on it. Each rank that stayed gets `payload(placement)` as a `Rejoin`
+        message over its channel; each rank in `replaced` is killed if it still runs, and
+        started again in a new process. Returns the placements, by rank (those of `start`).
+        The group then serves the new attempt as after `start`."""
+        ...
+
     def release_placement(self) -> None:
         """On a group shut down with `keep_warm`: give back the resources reserved for its
         ranks, and keep only what it warmed up. The next group then places its ranks anew

@@ -21,12 +21,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
+
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.errors import WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
 from unbroken.worker.channel import PipeChannel
-from unbroken.worker.protocol import Done, from_wire, to_wire
-from unbroken.worker.runner import WorkerPayload, run_worker
+from unbroken.worker.protocol import Done, Rejoin, from_wire, to_wire
+from unbroken.worker.runner import WorkerPayload, serve
 
 # Python threads that survive a fork harmlessly: fsspec's event-loop thread for async
 # filesystems (s3fs, gcsfs) and that loop's executor threads (DNS lookups) are idle between
@@ -114,7 +116,7 @@ def _died(rank: int, exitcode: int | None) -> WorkerDied:
 
 
 def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
-    """A local worker process: the process-level part around the engine-neutral `run_worker`.
+    """A local worker process: the process-level part around the engine-neutral `serve`.
     It ignores terminal signals (the driver coordinates), dies with its parent, and exits
     without running the driver's atexit handlers it inherited through fork."""
     ignore_terminal_signals()
@@ -123,7 +125,7 @@ def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     # processes (DataLoader workers) must start as in a plain process: a forkserver of theirs
     # outlives a SIGKILLed rank, and keeps its children alive with it.
     mp.set_start_method(None, force=True)
-    outcome = run_worker(payload.obj, PipeChannel(conn))
+    outcome = serve(payload.obj, PipeChannel(conn))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if isinstance(outcome, Done) else 1)
@@ -144,25 +146,55 @@ class LocalWorkerGroup:
         self._wake: Wakeup | None = None
 
     def start(self, payload: Callable[[Placement], WorkerPayload]) -> list[Placement]:
-        method = "forkserver" if self.warm and not os.environ.get("UNBROKEN_START_METHOD") else start_method()
+        host = socket.gethostname()
+        n = self.num_workers
+        self.placements = [Placement(rank=r, node_rank=0, local_rank=r, local_world_size=n, node_id=host,
+                                     node_address="127.0.0.1", cpus=self.cpus) for r in range(n)]
+        self.procs, self.conns = [None] * n, [None] * n
+        for p in self.placements:
+            self._spawn(p, payload(p))
+        return self.placements
+
+    def _spawn(self, placement: Placement, payload: WorkerPayload) -> None:
+        """Start the process of rank `placement.rank`: from the warm forkserver when there is one."""
+        warm = self.warm and not os.environ.get("UNBROKEN_START_METHOD")
+        method = "forkserver" if warm else start_method()
         ctx = _context(method, self.num_workers)
         # A forked worker's parent is this driver; a forkserver's child has the server as parent.
         parent = os.getpid() if method == "fork" else None
-        host = socket.gethostname()
-        n = self.num_workers
-        placements = [Placement(rank=r, node_rank=0, local_rank=r, local_world_size=n, node_id=host,
-                                node_address="127.0.0.1", cpus=self.cpus) for r in range(n)]
-        for p in placements:
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=worker_process, name=f"unbroken-worker-{p.rank}",
-                               args=(Carried(payload(p), ignore_terminal_signals), child_end, parent))
-            proc.start()
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
-            self._selector.register(parent_end, selectors.EVENT_READ, ("message", p.rank))
-            self._selector.register(proc.sentinel, selectors.EVENT_READ, ("exit", p.rank))
-        return placements
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=worker_process, name=f"unbroken-worker-{placement.rank}",
+                           args=(Carried(payload, ignore_terminal_signals), child_end, parent))
+        proc.start()
+        child_end.close()
+        self.procs[placement.rank], self.conns[placement.rank] = proc, parent_end
+        self._selector.register(parent_end, selectors.EVENT_READ, ("message", placement.rank))
+        self._selector.register(proc.sentinel, selectors.EVENT_READ, ("exit", placement.rank))
+
+    can_rejoin = True
+
+    def rejoin(self, payload: Callable[[Placement], WorkerPayload], replaced: set[int]) -> list[Placement]:
+        """The next attempt on the processes that stayed, and new ones for `replaced`."""
+        for rank in sorted(replaced):
+            self._drop(rank)
+            self._spawn(self.placements[rank], payload(self.placements[rank]))
+        for rank in range(self.num_workers):
+            if rank not in replaced:
+                self.send(rank, Rejoin(cloudpickle.dumps(payload(self.placements[rank]))))
+        return self.placements
+
+    def _drop(self, rank: int) -> None:
+        """Kill rank `rank`'s process if it still runs, and forget it."""
+        proc, conn = self.procs[rank], self.conns[rank]
+        for watched in (proc.sentinel, conn):
+            try:
+                self._selector.unregister(watched)
+            except (KeyError, ValueError):
+                pass  # its death or its closed pipe was seen already
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        conn.close()
 
     def send(self, rank: int, message: Any) -> None:
         try:
@@ -216,6 +248,7 @@ class LocalWorkerGroup:
 
     def warm_up(self) -> None:
         warm_up(self.num_workers)
+        self.warm = True  # a rank started again in place (`rejoin`) forks from it
 
     def release_placement(self) -> None:
         pass  # this machine's processes reserve nothing; the warm forkserver stays

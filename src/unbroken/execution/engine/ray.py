@@ -46,7 +46,7 @@ from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener, no_delay
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
 from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import from_wire, to_wire
-from unbroken.worker.runner import run_worker
+from unbroken.worker.runner import serve
 
 # How long the placement group may take to be placed (all ranks or none), and the actors to
 # start and connect. Env vars, as Ray Train's own timeouts are.
@@ -138,7 +138,7 @@ class RankActor:
         no_delay(conn)
         conn.send(("hello", rank))
         try:
-            return type(run_worker(work, PipeChannel(conn))).__name__
+            return type(serve(work, PipeChannel(conn))).__name__
         finally:
             conn.close()
 
@@ -171,6 +171,7 @@ class RayWorkerGroup:
     """
 
     spans_machines = True
+    can_rejoin = False  # a recovery in place restarts every rank on this engine, for now
 
     def __init__(self, scaling: ScalingConfig, warm: RayWorkerGroup | None = None) -> None:
         self.scaling = scaling

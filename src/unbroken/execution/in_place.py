@@ -1,0 +1,82 @@
+"""In-place recovery, the driver's half (the protocol and the worker's half are in
+`unbroken.worker.peer_state`): once a failure is final, decide whether the next attempt can
+start on the ranks that are still alive, from the state of the last complete round that one
+of them holds, and tell them to stay.
+
+Possible when the run asks for it (`FailureConfig(recover_in_place=True)`), the engine can
+start single ranks again (`WorkerGroup.can_rejoin`), the run is not elastic, and the ranks'
+TrainState is armed for just-in-time checkpoints. The offers are those of the just-in-time
+protocol (`worker.jit`): the lowest rank that offers the attempt's last complete round is
+the source; every rank that offered and is alive stays; the others (dead, told they cannot
+help, or silent for `OFFER_WAIT_S`, e.g. blocked for good) are started again. When no rank
+offers that round, nothing is sent, and the failure goes on to a just-in-time checkpoint
+and a restart, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.errors import WorkerDied
+from unbroken.execution.jit_coordinator import OFFER_WAIT_S, Coordinator, commit_just_in_time
+from unbroken.run.handle import Run
+from unbroken.worker.protocol import Stay
+
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    """How the next attempt recovers in place."""
+
+    iteration: int              # the round it resumes from
+    source: int                 # the rank that sends its state of that round to every rank
+    kept: tuple[int, ...]       # the ranks that keep their processes
+    replaced: tuple[int, ...]   # the ranks started again in new processes
+
+    def record(self) -> dict[str, Any]:
+        """What the attempt record keeps of it (Attempt.in_place)."""
+        return {"iteration": self.iteration, "source": self.source, "kept": list(self.kept),
+                "replaced": list(self.replaced)}
+
+
+def settle(run: Run, coordinator: Coordinator, group: Any, num_workers: int, may_stay: bool,
+           running: Callable[[], set[int]], events: Callable[[float], Iterator[tuple[int, Any]]]
+           ) -> InPlacePlan | None:
+    """The failure of `run`'s current attempt is final, and its ranks' TrainState is armed:
+    when `may_stay` (the run, its engine and its failure policy allow a recovery in place),
+    have the ranks that hold the last complete round stay (`plan`); otherwise, or when none
+    does, have one of them save it just in time (`commit_just_in_time`, in the attempt
+    record). Returns the plan of the recovery in place, if there is one."""
+    if may_stay:
+        row = run.history.last  # the last complete round, if this attempt completed one
+        target = row["training_iteration"] if row and row.get("attempt") == run.attempt.number else None
+        staying = plan(coordinator, group, target, num_workers, running, events)
+        if staying is not None:
+            return staying
+    run.attempt.jit_checkpoint = commit_just_in_time(run, coordinator, group, running, events)
+    return None
+
+
+def plan(coordinator: Coordinator, group: Any, target: int | None, num_workers: int,
+         running: Callable[[], set[int]], events: Callable[[float], Iterator[tuple[int, Any]]]
+         ) -> InPlacePlan | None:
+    """Wait (at most OFFER_WAIT_S) for the armed ranks still `running` to offer, then choose
+    the source for round `target` and send `Stay` to every rank that stays. None, with
+    nothing sent, when no live rank offers round `target`. `events(timeout)`: the group's
+    next events, each already taken by the controller (offers reach `coordinator`)."""
+    deadline = time.monotonic() + OFFER_WAIT_S
+    while running() & coordinator.armed and time.monotonic() < deadline:
+        for rank, message in events(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if isinstance(message, WorkerDied):
+                coordinator.dead.add(rank)
+    gone = coordinator.answered | coordinator.dead
+    live = sorted(r for r in coordinator.offers if r not in gone)
+    holders = [r for r in live if coordinator.offers[r].iteration == target]
+    if target is None or not holders:
+        return None
+    for rank in live:
+        coordinator.answered.add(rank)
+        group.send(rank, Stay(holders[0], target))
+    return InPlacePlan(target, holders[0], tuple(live), tuple(r for r in range(num_workers) if r not in live))

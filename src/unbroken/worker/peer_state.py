@@ -1,0 +1,95 @@
+"""In-place recovery, the worker's half: when a rank fails, the surviving ranks keep their
+processes, and the state of the last complete report goes from one of them to every rank of
+the next attempt over its new process group, instead of through storage.
+
+It stands on the just-in-time checkpoint (`worker.jit`): a rank whose TrainState has
+`jit_checkpoint=True` knows, when its loop fails, whether it still holds the state of its
+last report k (no optimizer step has begun since), and the per-step random streams give
+every rank's random state after report k without that rank. The protocol, in order:
+
+1. Release (every failed rank, at once): drop its process group and every reference to it
+   (the DDP wrapper the TrainState holds), so that its connections close and a peer blocked
+   on it in a collective is released at once, not at the group's timeout.
+2. Offer (as for a just-in-time checkpoint): `JitOffer(k)`, then `Failed`.
+3. Stay (the driver, see `execution.in_place`): instead of `JitSave`, each rank that offered
+   gets `Stay(source, k)`: rank `source` (the lowest clean one) keeps the state of report k
+   in memory (`keep`); every staying rank waits for its next attempt (`Rejoin`). The failed
+   ranks, and any that did not offer, are started again in new processes.
+4. Share (every rank of the next attempt, right after its process group is up): rank
+   `source` broadcasts that state, serialized as `train_state.pt` would hold it, to every
+   rank (`share`); `TrainState.restore` then loads it instead of a checkpoint from storage,
+   and seeds the random streams of report k, as after a just-in-time resume.
+
+Nothing in storage changes: a driver that dies meanwhile leaves the run to resume from its
+latest committed checkpoint, as does any failure before the next attempt's first report.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.state.state_file import build_payload, map_location, unwrap
+
+if TYPE_CHECKING:
+    from unbroken.worker.backend import Backend
+    from unbroken.worker.session import Session
+
+
+def release_group(session: Session, backend: Backend) -> None:
+    """Step 1: end this rank's process group and drop the references that keep its
+    connections open (a DDP wrapper held by the armed TrainState)."""
+    tracker = session.jit
+    if tracker is not None:
+        objects = tracker.state._objects
+        if "model" in objects:
+            objects["model"] = unwrap(objects["model"])
+    try:
+        backend.on_shutdown(session)
+    except Exception:  # noqa: BLE001 - a broken group may refuse to be destroyed cleanly
+        pass
+    gc.collect()
+
+
+def keep(session: Session) -> dict[str, Any]:
+    """Step 3 on the source rank: what a checkpoint of its last report would hold."""
+    tracker = session.jit
+    assert tracker is not None, "only a rank with an armed TrainState is told to stay"
+    return build_payload(tracker.state_dicts(), tracker.values, session.info.world_size)
+
+
+def share(session: Session, kept: dict[str, Any] | None) -> None:
+    """Step 4, collective: give every rank the state rank `info.peer_source` kept, as
+    `session.peer_state`. Does nothing when the attempt does not recover in place."""
+    info = session.info
+    source = info.peer_source
+    if source is None:
+        return
+    if info.world_size == 1:
+        session.peer_state = kept
+        return
+    device = _device()
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    if info.world_rank == source:
+        assert kept is not None, "the source rank keeps the state it sends"
+        buffer = io.BytesIO()
+        torch.save(kept, buffer)
+        data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
+        size[0] = data.numel()
+    dist.broadcast(size, source)
+    if info.world_rank != source:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, source)
+    received = io.BytesIO(memoryview(data.cpu().numpy()))
+    session.peer_state = torch.load(received, weights_only=True, map_location=map_location())
+
+
+def _device() -> torch.device:
+    """Where the process group's collectives take their tensors (NCCL: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
