@@ -27,6 +27,12 @@ Invariants checked at every launch and at the end of each trial:
   - with --jit (the loop's state in a TrainState with just-in-time checkpoints): when one
     rank dies or raises right after a report, the survivor's checkpoint of that round is
     committed (the kills of the survivor during that save are among the random kills);
+  - with --in-place (--jit, FailureConfig(recover_in_place=True, max_failures=2)): when one
+    rank dies or raises right after a report (or every rank raises), the next attempt of the
+    launch recovers in place from that round, reading nothing from storage, and its loop
+    gets that round's state (kills of the sending survivor or of the receiving replacement
+    in the middle of the transfer are among the faults: the launch then restarts from the
+    newest committed checkpoint);
   - a full disk fails the launch with StorageFullError, and the next launch (with room
     again) resumes;
   - a second driver started while the first holds the run fails with LeaseHeldError naming
@@ -37,7 +43,8 @@ Invariants checked at every launch and at the end of each trial:
     uninterrupted run's, bit for bit (--elastic: within a float-order tolerance, as the
     number of workers changes);
   - the final model equals the uninterrupted run's, bit for bit (--elastic: the same);
-  - within a launch, only a resize (RESIZED) is followed by another attempt;
+  - within a launch, only a resize (RESIZED) is followed by another attempt (--in-place: a
+    failure too);
   - every checkpoint asks for a validation (but with --jit), which runs in the background
     while the run trains and the kills strike (a fault point also kills the driver between a
     validation's end and its record): at the end each kept checkpoint has one
@@ -45,7 +52,7 @@ Invariants checked at every launch and at the end of each trial:
     that validation process), and retention never deleted one still pending.
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
-        [--jit] [--elastic] [--strike] [--max-kills N]
+        [--jit] [--in-place] [--elastic] [--strike] [--max-kills N]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -89,6 +96,7 @@ from unbroken.train import (
     ValidationConfig,
 )
 from unbroken.train.torch import TorchTrainer, prepare_model
+from unbroken.worker import session as session_mod
 
 ITERATIONS = 16
 CKPT_EVERY = 2
@@ -102,6 +110,7 @@ MAX_KILLS = 4
 UPLOAD_MODE = {False: CheckpointUploadMode.SYNC, True: CheckpointUploadMode.ASYNC}
 ASYNC_SAVES = [False]  # --async: the loop's checkpoints are written in the background
 JIT = [False]  # --jit: the loop's state is a TrainState with just-in-time checkpoints
+IN_PLACE = [False]  # --in-place: --jit, and a failed rank is replaced while the others stay
 ELASTIC = [False]  # --elastic: num_workers=(2, 3) on a 3-node Ray cluster that loses and regains nodes
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
@@ -200,8 +209,14 @@ def jit_loop(config: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11)
     checkpoint = train.get_checkpoint()
+    from_peer = session_mod._current.peer_state is not None  # recovering in place
     state.restore()
-    if checkpoint is not None:
+    if from_peer:
+        if rank == 0:
+            with open(config["log"], "a") as f:
+                f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": "peer",
+                                    "iteration": state.iteration, "intact": True}) + "\n")
+    elif checkpoint is not None:
         where, name = checkpoint.url.rstrip("/").rsplit("/", 1)
         try:
             marker: commit.Marker | None = commit.verify(Storage.from_url(where), name, full=True)
@@ -242,7 +257,8 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
         scaling_config=scaling,
         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
-                             failure_config=FailureConfig(max_failures=0)))
+                             failure_config=FailureConfig(max_failures=2 if IN_PLACE[0] else 0,
+                                                          recover_in_place=IN_PLACE[0])))
 
 
 def _driver(storage: str, name: str, log: str, how: str, fault: str | None, fault_log: str,
@@ -402,7 +418,11 @@ class Harness:
         action = self.rng.choice(REPORT_ACTIONS)
         rank = self.rng.choice(["", ":0", ":1"])
         fault = f"after_report:{self.rng.randint(1, 6)}:{action}{rank}"
-        if JIT[0] and rank and self.rng.random() < 0.3:
+        if IN_PLACE[0] and rank:
+            fault += ":once"  # not again in the rank started in its place
+            if self.rng.random() < 0.3:  # and the sender or the receiver dies as the state goes over
+                fault += f",during_peer_share:1:kill:{self.rng.choice('01')}:once"
+        elif JIT[0] and rank and self.rng.random() < 0.3:
             fault += ",during_jit_save:1:kill"  # and the survivor dies while it saves the round
         return "report-fault", fault, None
 
@@ -540,25 +560,47 @@ class Harness:
         if manifest is None:
             return
         new = manifest["attempts"][attempts_before:]
-        for attempt in new:
+        for previous, attempt in zip([None, *new[:-1]], new, strict=True):
             jit = attempt.get("jit_checkpoint")
             if jit:
                 self.counts["jit: saved" if jit["iteration"] else "jit: fell back"] += 1
             if attempt["status"] == "RESIZED":
                 self.counts["resizes"] += 1
+            if attempt.get("in_place"):
+                self.check_in_place(path, log, previous, attempt, where)
         # Within a launch only an elastic resize starts another attempt (max_failures is 0); it
         # resumes from the checkpoint it asked for, the newest committed at its start.
         if new and new[0]["resumed_from"] != before:
             self.violations.append(f"{where}: attempt {new[0]['number']} resumed from "
                                    f"{new[0]['resumed_from']}, the newest committed was {before}")
-        if any(a["status"] != "RESIZED" for a in new[:-1]):
+        going_on = ("RESIZED", "ERRORED") if IN_PLACE[0] else ("RESIZED",)  # --in-place: max_failures 2
+        if any(a["status"] not in going_on for a in new[:-1]):
             self.violations.append(f"{where}: a launch went on after an attempt that was not a resize: "
                                    f"{[a['status'] for a in new]}")
         for entry in read_log(log):
+            if entry["loaded"] == "peer":  # checked against the attempt record (check_in_place)
+                continue
             first = entry["attempt"] == attempts_before + 1
             if entry["attempt"] > attempts_before and ((first and entry["loaded"] != before)
                                                        or not entry["intact"]):
                 self.violations.append(f"{where}: the loop loaded {entry} (expected {before}, intact)")
+
+    def check_in_place(self, path: str, log: str, previous: dict | None, attempt: dict, where: str) -> None:
+        """An attempt that recovered in place resumed from the last round the attempt before it
+        completed, read nothing from storage, and its loop got that round's state."""
+        self.counts["in place: recoveries"] += 1
+        self.counts["in place: ranks replaced"] += len(attempt["in_place"]["replaced"])
+        rows = [r for r in read_rows(Storage.from_url(path))
+                if previous is not None and r.get("attempt") == previous["number"]]
+        last = max((r["training_iteration"] for r in rows), default=None)
+        if attempt["in_place"]["iteration"] != last or attempt["resumed_from"] is not None:
+            self.violations.append(f"{where}: attempt {attempt['number']} recovered in place as "
+                                   f"{attempt['in_place']} (resumed from {attempt['resumed_from']}), and the "
+                                   f"attempt before it completed round {last} last")
+        loaded = [e for e in read_log(log) if e["attempt"] == attempt["number"]]
+        if attempt["status"] != "ERRORED" and [e["iteration"] for e in loaded] != [last]:
+            self.violations.append(f"{where}: attempt {attempt['number']} recovered in place from round "
+                                   f"{last}, and its loop logged {loaded}")
 
     def check_reported_round(self, path: str, before: str | None, fault: str, attempts_before: int,
                              where: str) -> None:
@@ -579,7 +621,15 @@ class Harness:
         committed = newest_committed(path, self.violations)
         # A background write dies with its process; a rank that raises finishes it first.
         durable = not ASYNC_SAVES[0] or fault.split(":")[2] == "raise"
-        if JIT[0] and fault.split(",")[0].count(":") == 3 and iteration % CKPT_EVERY:
+        one_rank = fault.split(",")[0].split(":")[3:4] not in ([], [""])
+        if IN_PLACE[0] and (one_rank or ":raise" in fault):
+            # The ranks left holding round n stay, and the next attempt resumes from it in place.
+            after = (read_manifest(path) or {}).get("attempts", [])[attempts_before + 1:attempts_before + 2]
+            if not after or (after[0].get("in_place") or {}).get("iteration") != iteration:
+                self.violations.append(f"{where}: every rank reported iteration {iteration}, then {fault} "
+                                       f"struck, and the next attempt is {after} (expected in place from "
+                                       f"round {iteration})")
+        elif JIT[0] and not IN_PLACE[0] and one_rank and iteration % CKPT_EVERY:
             # One rank struck right after report n: the survivor saves round n just in time,
             # unless it was killed while saving, which must leave round n uncommitted.
             saver_killed = "during_jit_save" in read_struck(os.path.join(self.workdir, "faults"))
@@ -785,6 +835,9 @@ def main(argv: list[str] | None = None) -> int:
                              "right after a report), then random ones")
     parser.add_argument("--async", dest="async_saves", action="store_true",
                         help="the loop's checkpoints are written in the background (ASYNC upload)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="--jit, with FailureConfig(recover_in_place=True, max_failures=2): a rank "
+                             "struck after a report is started again while the others keep their processes")
     parser.add_argument("--jit", action="store_true",
                         help="the loop keeps its state in a TrainState with just-in-time checkpoints")
     parser.add_argument("--ray", action="store_true",
@@ -795,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves
-    JIT[0] = args.jit
+    JIT[0] = args.jit or args.in_place
+    IN_PLACE[0] = args.in_place
     ELASTIC[0] = args.elastic
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-crash-") as workdir, s3_server(args.s3) as root, \

@@ -1,12 +1,13 @@
-"""Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>[:<rank>]]]` strikes
-this process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
+"""Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>[:<rank>[:once]]]]`
+strikes this process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
 the default), `exit` (`os._exit(3)`, no clean-up) or `raise` (InjectedFault, as if the code
 right after the point raised). With a rank, only the worker of that world rank is struck. Several
 specs, separated by commas, each strike at their own point (e.g. a rank killed after a
 report, and then the survivor during its just-in-time save). With
 `UNBROKEN_FAULT_LOG=<file>` it first appends the point's name and pid to that file, so a
-harness can tell an injected fault from a real failure. Costs one environment lookup when
-unset.
+harness can tell an injected fault from a real failure; `once` then strikes only if that file
+has no strike of the point yet (a rank started again in a new process does not strike again).
+Costs one environment lookup when unset.
 
 The points, in protocol order: after_file_write, after_fsync (worker, per rank);
 before_marker, after_marker, before_rename, after_rename (driver, commit);
@@ -20,7 +21,9 @@ records how the trial ended); after_fold (object stores: result.json rewritten w
 parts folded in, before the parts are removed; see `store.appender`); before_validation_record
 (driver: a checkpoint's validation ended and its record is not written yet; see
 `execution.validations`); after_resize_stop (driver: an elastic run's attempt stopped at the
-checkpoint it asked for, to grow, and the next attempt has not started).
+checkpoint it asked for, to grow, and the next attempt has not started); during_peer_share
+(worker: an attempt recovering in place, between the size and the state of the transfer,
+see `worker.peer_state`).
 """
 
 from __future__ import annotations
@@ -55,11 +58,15 @@ def _strike(name: str, rest: str) -> None:
     """Count a pass of `name` and strike when the spec's count, action and rank say so."""
     _counts[name] = count = _counts.get(name, 0) + 1
     n, _, rest = rest.partition(":")
-    action, _, rank = rest.partition(":")
+    action, _, rest = rest.partition(":")
+    rank, _, once = rest.partition(":")
     if rank and os.environ.get("RANK") != rank:
         return
     if count >= int(n or 1):
         log = os.environ.get("UNBROKEN_FAULT_LOG")
+        if once and log and os.path.exists(log) and any(
+                line.split()[0] == name for line in open(log).read().splitlines() if line):
+            return  # struck already, in this process or another (a rank started again)
         if log:
             with open(log, "a") as f:
                 f.write(f"{name} {os.getpid()}\n")

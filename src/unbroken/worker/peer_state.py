@@ -7,9 +7,12 @@ It stands on the just-in-time checkpoint (`worker.jit`): a rank whose TrainState
 last report k (no optimizer step has begun since), and the per-step random streams give
 every rank's random state after report k without that rank. The protocol, in order:
 
-1. Release (every failed rank, at once): drop its process group and every reference to it
-   (the DDP wrapper the TrainState holds), so that its connections close and a peer blocked
-   on it in a collective is released at once, not at the group's timeout.
+1. Release (every failed rank, once its `Failed` is sent): end its process group and drop
+   the references to it (the DDP wrapper the TrainState holds), before the next attempt
+   makes a new one in this process. gloo does not promise that this closes the
+   connections: a peer already blocked on this rank in a collective stays blocked until
+   this process exits (measured with torch 2.13), so the driver replaces a rank that has
+   not offered within its bound (`execution.in_place`).
 2. Offer (as for a just-in-time checkpoint): `JitOffer(k)`, then `Failed`.
 3. Stay (the driver, see `execution.in_place`): instead of `JitSave`, each rank that offered
    gets `Stay(source, k)`: rank `source` (the lowest clean one) keeps the state of report k
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from unbroken.core import faults
 from unbroken.state.state_file import build_payload, map_location, unwrap
 
 if TYPE_CHECKING:
@@ -41,8 +45,8 @@ if TYPE_CHECKING:
 
 
 def release_group(session: Session, backend: Backend) -> None:
-    """Step 1: end this rank's process group and drop the references that keep its
-    connections open (a DDP wrapper held by the armed TrainState)."""
+    """Step 1: end this rank's process group and drop the references to it (a DDP wrapper
+    held by the armed TrainState)."""
     tracker = session.jit
     if tracker is not None:
         objects = tracker.state._objects
@@ -81,6 +85,7 @@ def share(session: Session, kept: dict[str, Any] | None) -> None:
         data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
         size[0] = data.numel()
     dist.broadcast(size, source)
+    faults.point("during_peer_share")  # crash tests: the sender or a receiver dies mid-transfer
     if info.world_rank != source:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, source)

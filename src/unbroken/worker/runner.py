@@ -133,7 +133,7 @@ def run_worker(payload: WorkerPayload, channel: Channel,
             offered = isinstance(outcome, Failed) and jit_checkpoint.offer(session)
             channel.send(outcome)
             if isinstance(outcome, Failed):  # after it: this error, not a peer's, is the first
-                peer_state.release_group(session, backend)  # its peers blocked on it go on at once
+                peer_state.release_group(session, backend)
             stay = jit_checkpoint.save_if_asked(session) if offered else None
             if stay is not None:
                 staying = Staying(peer_state.keep(session) if stay.source == info.world_rank else None)
