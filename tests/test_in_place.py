@@ -8,6 +8,8 @@ TrainState(jit_checkpoint=True, step_seed=...), a periodic checkpoint every 4 st
 failures strike right after the report of step 6.
 """
 
+import contextlib
+import io
 import json
 import os
 
@@ -17,6 +19,7 @@ import torch
 from loops import exact_loop
 from test_exact_resume import BASE, assert_identical, assert_same_run, final_files, steps
 from test_jit_checkpoint import PERIODIC, STEP
+from unbroken.cli import commands as cli
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
@@ -56,6 +59,11 @@ def test_a_killed_rank_is_replaced_while_the_survivor_keeps_its_process_and_stat
     names = sorted(n for n in os.listdir(result.path) if n.startswith("checkpoint_"))
     assert f"checkpoint_{STEP:06d}" not in names, "no checkpoint of step 6 was written for the recovery"
     assert_same_run(result, reference, "rank 1 killed after report 6, recovered in place")
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        cli.main(["show", result.path])
+    assert (f"attempt 2: recovered in place from iteration {STEP}: rank 0 sent its state; ranks "
+            "started again: 1") in shown.getvalue()
 
 
 def test_a_rank_that_raised_stays_too_and_nobody_is_replaced(storage, reference, tmp_path):

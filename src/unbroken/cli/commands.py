@@ -193,7 +193,8 @@ def _show_attempts(s: inspection.RunSummary) -> None:
     and the just-in-time checkpoint (or why there was none)."""
     print("\nattempts")
     rows = [[a["number"], a["status"], _when(a["started_at"]), _when(a["ended_at"]), a["num_workers"],
-             a["resumed_from"] or "-", a["error"] or "-"] for a in s.attempts]
+             a["resumed_from"] or ("in place" if a.get("in_place") else "-"), a["error"] or "-"]
+            for a in s.attempts]
     print(_table(["#", "STATUS", "STARTED", "ENDED", "WORKERS", "RESUMED FROM", "ERROR"], rows, indent=2)
           if rows else "  none")
     for previous, a in zip([None, *s.attempts], s.attempts, strict=False):
@@ -209,6 +210,11 @@ def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> N
         print(f"  attempt {a['number']}: " + (
             f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
             if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
+    peer = a.get("in_place")
+    if peer:
+        again = ", ".join(map(str, peer["replaced"])) or "none"
+        print(f"  attempt {a['number']}: recovered in place from iteration {peer['iteration']}: rank "
+              f"{peer['source']} sent its state; ranks started again: {again}")
     elastic = a.get("elastic")
     if elastic:
         before = f", {elastic['previous']} before" if elastic.get("previous") else ""
