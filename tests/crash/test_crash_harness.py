@@ -77,6 +77,20 @@ def test_random_kills_with_just_in_time_checkpoints():
     assert report.get("jit: saved", 0) + report.get("jit: fell back", 0) >= 1, report
 
 
+def test_random_kills_with_recovery_in_place():
+    # A rank struck right after a report is started again while the other keeps its process
+    # and sends the round's state (the harness checks the next attempt recovered in place from
+    # it); the sender or the receiver is sometimes killed in the middle of the transfer.
+    report = run_harness(12, "--in-place", "--strike")
+    check(report, 12)
+    assert report.get("in place: recoveries", 0) >= 1, report
+
+
+@pytest.mark.slow
+def test_random_kills_with_recovery_in_place_soak():
+    check(run_harness(150, "--in-place"), 150)
+
+
 @pytest.mark.slow  # about a minute a trial: elastic restarts on Ray take seconds
 def test_random_kills_node_losses_and_returns_with_an_elastic_run_soak():
     pytest.importorskip("ray")

@@ -19,9 +19,10 @@ every rank's random state after report k without that rank. The protocol, in ord
    in memory (`keep`); every staying rank waits for its next attempt (`Rejoin`). The failed
    ranks, and any that did not offer, are started again in new processes.
 4. Share (every rank of the next attempt, right after its process group is up): rank
-   `source` broadcasts that state, serialized as `train_state.pt` would hold it, to every
-   rank (`share`); `TrainState.restore` then loads it instead of a checkpoint from storage,
-   and seeds the random streams of report k, as after a just-in-time resume.
+   `source` broadcasts that state, as `train_state.pt` would hold it, to every rank
+   (`share`: its layout, then each tensor); `TrainState.restore` then loads it instead of
+   a checkpoint from storage, and seeds the random streams of report k, as after a
+   just-in-time resume.
 
 Nothing in storage changes: a driver that dies meanwhile leaves the run to resume from its
 latest committed checkpoint, as does any failure before the next attempt's first report.
@@ -30,14 +31,14 @@ latest committed checkpoint, as does any failure before the next attempt's first
 from __future__ import annotations
 
 import gc
-import io
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from unbroken.core import faults
-from unbroken.state.state_file import build_payload, map_location, unwrap
+from unbroken.state.state_file import build_payload, unwrap
 
 if TYPE_CHECKING:
     from unbroken.worker.backend import Backend
@@ -68,29 +69,80 @@ def keep(session: Session) -> dict[str, Any]:
 
 def share(session: Session, kept: dict[str, Any] | None) -> None:
     """Step 4, collective: give every rank the state rank `info.peer_source` kept, as
-    `session.peer_state`. Does nothing when the attempt does not recover in place."""
+    `session.peer_state`. Does nothing when the attempt does not recover in place.
+
+    The state's layout (its containers, plain values, and each tensor's shape and dtype)
+    goes first, pickled (the peers are ranks of this run); then each tensor is broadcast
+    into a tensor the receivers allocate for it: no serialization of the bytes, and the
+    sender keeps what it has."""
     info = session.info
     source = info.peer_source
     if source is None:
         return
+    if info.world_size == 1 or info.world_rank == source:
+        assert kept is not None, "the source rank keeps the state it sends"
     if info.world_size == 1:
         session.peer_state = kept
         return
     device = _device()
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    if info.world_rank == source:
-        assert kept is not None, "the source rank keeps the state it sends"
-        buffer = io.BytesIO()
-        torch.save(kept, buffer)
-        data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
-        size[0] = data.numel()
-    dist.broadcast(size, source)
+    tensors: list[torch.Tensor] = []
+    layout = [_split(kept, tensors) if info.world_rank == source else None]
+    dist.broadcast_object_list(layout, source)
     faults.point("during_peer_share")  # crash tests: the sender or a receiver dies mid-transfer
     if info.world_rank != source:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, source)
-    received = io.BytesIO(memoryview(data.cpu().numpy()))
-    session.peer_state = torch.load(received, weights_only=True, map_location=map_location())
+        tensors = [torch.empty(slot.shape, dtype=slot.dtype, device=device) for slot in _slots(layout[0])]
+    for tensor in tensors:  # received where the group's collectives take them; load_state_dict moves them
+        dist.broadcast(tensor.to(device).contiguous() if info.world_rank == source else tensor, source)
+    session.peer_state = kept if info.world_rank == source else _join(layout[0], tensors)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where tensor `index` of the state goes, and what the receivers allocate for it."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _split(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """`value` with each tensor replaced by a `_Slot`, the tensors appended to `tensors`."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach())
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return type(value)((k, _split(v, tensors)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_split(v, tensors) for v in value)
+    return value
+
+
+def _slots(layout: Any) -> list[_Slot]:
+    """The layout's slots, in index order."""
+    found: list[_Slot] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, _Slot):
+            found.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+    walk(layout)
+    return sorted(found, key=lambda slot: slot.index)
+
+
+def _join(layout: Any, tensors: list[torch.Tensor]) -> Any:
+    """The layout with its slots filled from `tensors`."""
+    if isinstance(layout, _Slot):
+        return tensors[layout.index]
+    if isinstance(layout, dict):
+        return type(layout)((k, _join(v, tensors)) for k, v in layout.items())
+    if isinstance(layout, (list, tuple)):
+        return type(layout)(_join(v, tensors) for v in layout)
+    return layout
 
 
 def _device() -> torch.device:
