@@ -457,11 +457,12 @@ def test_exact_resume_on_ray_equals_the_local_engine_bit_for_bit(cluster, storag
     assert_same_run(on_ray, local, "Ray engine with a killed rank vs the local engine uninterrupted")
 
 
-def jit_run(engine: str, storage: str, name: str, **config):
+def jit_run(engine: str, storage: str, name: str, in_place: bool = False, **config):
+    failures = FailureConfig(max_failures=1, recover_in_place=in_place)
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
                         scaling_config=ScalingConfig(num_workers=2, engine=engine),
                         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
-                                             failure_config=FailureConfig(max_failures=1))).fit()
+                                             failure_config=failures)).fit()
 
 
 def test_a_killed_rank_on_ray_resumes_from_the_survivors_checkpoint_bit_for_bit(cluster, storage):
@@ -471,6 +472,23 @@ def test_a_killed_rank_on_ray_resumes_from_the_survivors_checkpoint_bit_for_bit(
     assert (first["jit_checkpoint"]["iteration"], first["jit_checkpoint"]["rank"]) == (6, 0), first
     assert second["resumed_from"] == "checkpoint_000006"
     assert_same_run(on_ray, local, "Ray engine, rank 1 killed after report 6, vs the local engine")
+
+
+def test_a_killed_rank_on_ray_is_replaced_in_place_while_the_survivor_keeps_its_actor(
+        cluster, storage, tmp_path, monkeypatch):
+    # Rank 1's actor is SIGKILLed after report 6, once the group kept spares warm: rank 0's actor
+    # stays, rank 1 starts again on its spare, rank 0 sends it the state of round 6 over the new
+    # process group, and the run ends as the uninterrupted one on the local engine.
+    local = jit_run("local", storage, "in-place-local")
+    monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)
+    on_ray = jit_run("ray", storage, "in-place-ray", in_place=True, pid_dir=str(tmp_path),
+                     die_after_report=[[6, 1, 1, "sigkill"]])
+    first, second = attempts(on_ray)
+    assert second["in_place"] == {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}, second
+    assert second["resumed_from"] is None and first.get("jit_checkpoint") is None
+    pid = {(r, a): open(os.path.join(tmp_path, f"rank{r}-a{a}")).read() for r in (0, 1) for a in (1, 2)}
+    assert pid[(0, 1)] == pid[(0, 2)] and pid[(1, 1)] != pid[(1, 2)]
+    assert_same_run(on_ray, local, "Ray engine, rank 1 killed after report 6, recovered in place")
 
 
 @pytest.mark.slow  # the default run keeps the node-removal test above and the killed-rank one

@@ -296,8 +296,8 @@ class Controller:
                 self._take(group, rounds, failures, rank, message)
                 yield rank, message
 
-        may_stay = (self.run_config.failure_config.recover_in_place and getattr(group, "can_rejoin", False)
-                    and self._elastic is None and self.policy.can_retry())
+        may_stay = in_place.allowed(self.run_config.failure_config, group, self._elastic is not None,
+                                    self.policy.can_retry(), failures)
         self._in_place = in_place.settle(self.run, self._jit, group, rounds.num_workers, may_stay,
                                          lambda: rounds.running, events)
 

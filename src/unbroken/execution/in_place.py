@@ -4,13 +4,13 @@ start on the ranks that are still alive, from the state of the last complete rou
 of them holds, and tell them to stay.
 
 Possible when the run asks for it (`FailureConfig(recover_in_place=True)`), the engine can
-start single ranks again (`WorkerGroup.can_rejoin`), the run is not elastic, and the ranks'
-TrainState is armed for just-in-time checkpoints. The offers are those of the just-in-time
-protocol (`worker.jit`): the lowest rank that offers the attempt's last complete round is
-the source; every rank that offered and is alive stays; the others (dead, told they cannot
-help, or silent for `OFFER_WAIT_S`, e.g. blocked for good) are started again. When no rank
-offers that round, nothing is sent, and the failure goes on to a just-in-time checkpoint
-and a restart, as before.
+start single ranks again (`WorkerGroup.can_rejoin`), the run is not elastic, no node was
+lost, and the ranks' TrainState is armed for just-in-time checkpoints. The offers are
+those of the just-in-time protocol (`worker.jit`): the lowest rank that offers the
+attempt's last complete round is the source; every rank that offered and is alive stays;
+the others (dead, told they cannot help, or silent for `OFFER_WAIT_S`, e.g. blocked for
+good) are started again. When no rank offers that round, nothing is sent, and the failure
+goes on to a just-in-time checkpoint and a restart, as before.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.core.config import FailureConfig
 from unbroken.errors import WorkerDied
 from unbroken.execution.jit_coordinator import OFFER_WAIT_S, Coordinator, commit_just_in_time
 from unbroken.run.handle import Run
@@ -39,6 +40,15 @@ class InPlacePlan:
         """What the attempt record keeps of it (Attempt.in_place)."""
         return {"iteration": self.iteration, "source": self.source, "kept": list(self.kept),
                 "replaced": list(self.replaced)}
+
+
+def allowed(failure_config: FailureConfig, group: Any, elastic: bool, retried: bool,
+            failures: list[tuple[int, BaseException]]) -> bool:
+    """Whether the failure of an attempt may be recovered in place: the run asks for it, its
+    engine can start single ranks again, the run is not elastic, the failure policy would
+    retry it, and no node was lost (its ranks would have nowhere to start again)."""
+    return (failure_config.recover_in_place and getattr(group, "can_rejoin", False) and not elastic
+            and retried and not any(isinstance(e, WorkerDied) and e.node_lost for _, e in failures))
 
 
 def settle(run: Run, coordinator: Coordinator, group: Any, num_workers: int, may_stay: bool,

@@ -27,7 +27,7 @@ def engine_env() -> dict[str, str]:
     rather than through RAY_ADDRESS."""
     if os.environ.get("RAY_ADDRESS") or not ray_is_configured():
         return {}
-    from unbroken.execution.engine.ray import cluster_address
+    from unbroken.execution.engine.ray_actor import cluster_address
 
     return {"RAY_ADDRESS": cluster_address()}
 

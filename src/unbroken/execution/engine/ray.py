@@ -18,16 +18,14 @@ lost at once (Ray's dead-node verdict comes ~15 s later, and the peers cannot pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import selectors
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import (
-    Client,
     Connection,
 )
 from typing import Any
@@ -38,15 +36,13 @@ import ray.exceptions
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-import unbroken
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
-from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener, no_delay
+from unbroken.execution.engine.ray_actor import RankActor, connect, versions
+from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
-from unbroken.worker.channel import PipeChannel
-from unbroken.worker.protocol import from_wire, to_wire
-from unbroken.worker.runner import serve
+from unbroken.worker.protocol import Rejoin, from_wire, to_wire
 
 # How long the placement group may take to be placed (all ranks or none), and the actors to
 # start and connect. Env vars, as Ray Train's own timeouts are.
@@ -60,87 +56,6 @@ CHECK_S = 0.25
 WHY_WAIT_S = 2.0
 # How long a restart waits for the spares to finish warming up (each imports torch once).
 WARM_WAIT_S = 60.0
-
-
-def connect() -> None:
-    """Attach this process to the Ray cluster (RAY_ADDRESS, else a local Ray, as Ray Train
-    does), unless it already is.
-
-    `ray.init` replaces the process's SIGTERM and SIGINT handlers with Ray's, which end the
-    driver at once; the handlers in place before (the controller's preemption handling, while
-    fit() runs) are put back."""
-    if ray.is_initialized():
-        return
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None)
-    if threading.current_thread() is threading.main_thread():
-        for sig, handler in kept.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-
-
-def cluster_address() -> str:
-    """The address a process on any node passes to `ray.init` to join this driver's cluster."""
-    connect()
-    return ray.get_runtime_context().gcs_address
-
-
-def versions() -> dict[str, str]:
-    """What must match between the driver and every node for a payload to run there."""
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = "none"
-    return {"python": ".".join(map(str, sys.version_info[:2])), "unbroken": unbroken.__version__,
-            "torch": torch_version}
-
-
-class RankActor:
-    """One rank's process on a node. Its methods run one at a time, on the main thread."""
-
-    def meta(self) -> dict[str, Any]:
-        """Where this actor runs and what it has (it imports torch now, while its peers start)."""
-        context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "versions": versions()}
-
-    def warm(self, ddp: bool) -> None:
-        """Import now what a rank imports, so that this spare starts a restarted rank at once:
-        torch, and torch._dynamo, which DDP imports on first use. The imports run in a thread
-        of the lowest CPU priority (on Linux a thread has its own), so that they take only
-        what the running ranks leave idle; the spare's own thread keeps its priority."""
-
-        def imports() -> None:
-            try:
-                os.setpriority(os.PRIO_PROCESS, 0, 19)  # this thread only, on Linux
-            except (OSError, AttributeError):
-                pass
-            import torch  # noqa: F401
-
-            if ddp:
-                import torch._dynamo  # noqa: F401
-
-        thread = threading.Thread(target=imports, name="unbroken-warm-up")
-        thread.start()
-        thread.join()
-
-    def run(self, payload: bytes, rank: int, address: tuple[str, int], authkey: bytes,
-            sys_path: list[str]) -> str:
-        """Run the rank's part of the attempt; returns the outcome's name. The driver's import
-        path is added where its directories exist here, so that functions pickled by reference
-        (defined in the driver's modules) load as they do in a local worker."""
-        sys.path.extend(p for p in sys_path if p not in sys.path and os.path.isdir(p))
-        work = cloudpickle.loads(payload)
-        conn = Client(tuple(address), authkey=authkey)
-        no_delay(conn)
-        conn.send(("hello", rank))
-        try:
-            return type(serve(work, PipeChannel(conn))).__name__
-        finally:
-            conn.close()
 
 
 def _why(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
@@ -171,7 +86,6 @@ class RayWorkerGroup:
     """
 
     spans_machines = True
-    can_rejoin = False  # a recovery in place restarts every rank on this engine, for now
 
     def __init__(self, scaling: ScalingConfig, warm: RayWorkerGroup | None = None) -> None:
         self.scaling = scaling
@@ -181,6 +95,7 @@ class RayWorkerGroup:
         self.spares: list[Any] = []   # by bundle, after warm_up
         self.refs: list[Any] = []     # each rank's running `run` call
         self.metas: list[dict[str, Any]] = []
+        self.placements: list[Placement] = []  # by rank, once started
         self._spare_nodes: list[str] = []  # each spare's node, by bundle
         self.conns: list[Connection | None] = []
         self._warm = warm
@@ -216,6 +131,7 @@ class RayWorkerGroup:
                 rank=rank, node_rank=node_rank, local_rank=local_rank, local_world_size=local_size,
                 node_id=metas[index]["node_id"], node_address=metas[index]["address"], cpus=cpus))
         self._launch(payload, placements)
+        self.placements = placements
         return placements
 
     def _place(self) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -253,7 +169,7 @@ class RayWorkerGroup:
         each bundle taking a spare on its node (a new actor where there is none). None when
         there is nothing warm, or a spare taken does not answer."""
         old, self._warm = self._warm, None
-        if old is None or not old.spares:
+        if old is None or not old.spares or None in old.spares:  # none, or one taken by a rejoin
             return None
         spares, nodes = old.spares, old._spare_nodes
         old.spares = []
@@ -305,12 +221,17 @@ class RayWorkerGroup:
 
     def _launch(self, payload: Callable[[Placement], Any], placements: list[Placement]) -> None:
         """Start every rank's `run` and wait until each has connected (or one failed)."""
-        authkey = secrets.token_bytes(32)
-        self._listener = Listener(ray.util.get_node_ip_address(), authkey)
-        self.refs = [actor.run.remote(cloudpickle.dumps(payload(p)), p.rank, self._listener.address,
-                                      authkey, list(sys.path))
-                     for actor, p in zip(self.actors, placements, strict=True)]
-        self.conns = [None] * self.num_workers
+        self._listener = Listener(ray.util.get_node_ip_address(), secrets.token_bytes(32))
+        self.refs, self.conns = [None] * self.num_workers, [None] * self.num_workers
+        self._run(payload, placements)
+
+    def _run(self, payload: Callable[[Placement], Any], placements: list[Placement]) -> None:
+        """Start the `run` of the ranks at `placements` and wait until each has connected (or
+        one failed)."""
+        for p in placements:
+            self.refs[p.rank] = self.actors[p.rank].run.remote(
+                cloudpickle.dumps(payload(p)), p.rank, self._listener.address, self._listener.authkey,
+                list(sys.path))
         waiting = selectors.DefaultSelector()
         waiting.register(self._listener, selectors.EVENT_READ)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -332,8 +253,33 @@ class RayWorkerGroup:
                     ray.get(ref)
         finally:
             waiting.close()
-        for rank, conn in enumerate(self.conns):
-            self._selector.register(conn, selectors.EVENT_READ, rank)
+        for p in placements:
+            self._selector.register(self.conns[p.rank], selectors.EVENT_READ, p.rank)
+
+    can_rejoin = True
+
+    def rejoin(self, payload: Callable[[Placement], Any], replaced: set[int]) -> list[Placement]:
+        """The next attempt on the ranks that stayed (a `Rejoin` over their connection); each
+        rank in `replaced` is killed and started again in its bundle, on its spare when the
+        group kept one warm, else on a new actor."""
+        self._finished, self._ended, self._dying = set(), set(), {}
+        for rank in sorted(replaced):
+            conn, self.conns[rank] = self.conns[rank], None
+            if conn is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(conn)
+                conn.close()
+            _kill([self.actors[rank]])
+            bundle = self._bundles[rank]
+            spare = self.spares[bundle] if self.spares else None
+            if spare is not None:
+                self.spares[bundle] = None  # taken: the group is no longer warm for a restart
+            self.actors[rank] = spare if spare is not None else self._actor(bundle)
+        for rank in range(self.num_workers):
+            if rank not in replaced:
+                self.send(rank, Rejoin(cloudpickle.dumps(payload(self.placements[rank]))))
+        self._run(payload, [self.placements[rank] for rank in sorted(replaced)])
+        return self.placements
 
     def _greet(self) -> None:
         conn = self._listener.accept()
@@ -472,7 +418,7 @@ class RayWorkerGroup:
 
 
 def _kill(actors: list[Any]) -> None:
-    for actor in actors:
+    for actor in filter(None, actors):
         try:
             ray.kill(actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone

@@ -18,7 +18,8 @@ from ray.util import placement_group_table
 
 from unbroken.core.config import ScalingConfig
 from unbroken.execution.engine.local import start_method
-from unbroken.execution.engine.ray import PLACEMENT_TIMEOUT_S, connect
+from unbroken.execution.engine.ray import PLACEMENT_TIMEOUT_S
+from unbroken.execution.engine.ray_actor import connect
 from unbroken.execution.engine.ray_placement import rank_bundle
 
 

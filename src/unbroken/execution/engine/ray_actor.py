@@ -1,0 +1,101 @@
+"""What the Ray engine runs in the cluster, and how the driver attaches to it: `connect`,
+the versions every node must share, and `RankActor`, one rank's process on a node (its
+`run` serves the rank's attempts over its connection to the driver, `engine.ray_link`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import Client
+from typing import Any
+
+import cloudpickle
+import ray
+
+import unbroken
+from unbroken.execution.engine.ray_link import no_delay
+from unbroken.worker.channel import PipeChannel
+from unbroken.worker.runner import serve
+
+
+def connect() -> None:
+    """Attach this process to the Ray cluster (RAY_ADDRESS, else a local Ray, as Ray Train
+    does), unless it already is.
+
+    `ray.init` replaces the process's SIGTERM and SIGINT handlers with Ray's, which end the
+    driver at once; the handlers in place before (the controller's preemption handling, while
+    fit() runs) are put back."""
+    if ray.is_initialized():
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def cluster_address() -> str:
+    """The address a process on any node passes to `ray.init` to join this driver's cluster."""
+    connect()
+    return ray.get_runtime_context().gcs_address
+
+
+def versions() -> dict[str, str]:
+    """What must match between the driver and every node for a payload to run there."""
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "none"
+    return {"python": ".".join(map(str, sys.version_info[:2])), "unbroken": unbroken.__version__,
+            "torch": torch_version}
+
+
+class RankActor:
+    """One rank's process on a node. Its methods run one at a time, on the main thread."""
+
+    def meta(self) -> dict[str, Any]:
+        """Where this actor runs and what it has (it imports torch now, while its peers start)."""
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "versions": versions()}
+
+    def warm(self, ddp: bool) -> None:
+        """Import now what a rank imports, so that this spare starts a restarted rank at once:
+        torch, and torch._dynamo, which DDP imports on first use. The imports run in a thread
+        of the lowest CPU priority (on Linux a thread has its own), so that they take only
+        what the running ranks leave idle; the spare's own thread keeps its priority."""
+
+        def imports() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, 19)  # this thread only, on Linux
+            except (OSError, AttributeError):
+                pass
+            import torch  # noqa: F401
+
+            if ddp:
+                import torch._dynamo  # noqa: F401
+
+        thread = threading.Thread(target=imports, name="unbroken-warm-up")
+        thread.start()
+        thread.join()
+
+    def run(self, payload: bytes, rank: int, address: tuple[str, int], authkey: bytes,
+            sys_path: list[str]) -> str:
+        """Run the rank's part of the attempt; returns the outcome's name. The driver's import
+        path is added where its directories exist here, so that functions pickled by reference
+        (defined in the driver's modules) load as they do in a local worker."""
+        sys.path.extend(p for p in sys_path if p not in sys.path and os.path.isdir(p))
+        work = cloudpickle.loads(payload)
+        conn = Client(tuple(address), authkey=authkey)
+        no_delay(conn)
+        conn.send(("hello", rank))
+        try:
+            return type(serve(work, PipeChannel(conn))).__name__
+        finally:
+            conn.close()
