@@ -560,7 +560,7 @@ class Harness:
         if manifest is None:
             return
         new = manifest["attempts"][attempts_before:]
-        for previous, attempt in zip([None, *new[:-1]], new, strict=True):
+        for previous, attempt in zip([None, *new][:len(new)], new, strict=True):
             jit = attempt.get("jit_checkpoint")
             if jit:
                 self.counts["jit: saved" if jit["iteration"] else "jit: fell back"] += 1
