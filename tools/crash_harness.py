@@ -622,14 +622,24 @@ class Harness:
         # A background write dies with its process; a rank that raises finishes it first.
         durable = not ASYNC_SAVES[0] or fault.split(":")[2] == "raise"
         one_rank = fault.split(",")[0].split(":")[3:4] not in ([], [""])
-        if IN_PLACE[0] and (one_rank or ":raise" in fault):
-            # The ranks left holding round n stay, and the next attempt resumes from it in place.
-            after = (read_manifest(path) or {}).get("attempts", [])[attempts_before + 1:attempts_before + 2]
-            if not after or (after[0].get("in_place") or {}).get("iteration") != iteration:
+        after = (read_manifest(path) or {}).get("attempts", [])[attempts_before + 1:attempts_before + 2]
+        if IN_PLACE[0] and after:
+            # The launch went on (max_failures 2). One rank struck: the other, clean since report
+            # n, stays and the next attempt resumes from round n in place. Every rank struck: no
+            # rank holds round n (the fault strikes before a rank's state tracks the report), and
+            # the next attempt resumes from checkpoint n when round n carried one.
+            resumed = after[0].get("in_place") or {}
+            if one_rank and resumed.get("iteration") != iteration:
                 self.violations.append(f"{where}: every rank reported iteration {iteration}, then {fault} "
-                                       f"struck, and the next attempt is {after} (expected in place from "
-                                       f"round {iteration})")
-        elif JIT[0] and not IN_PLACE[0] and one_rank and iteration % CKPT_EVERY:
+                                       f"struck one rank, and the next attempt is {after} (expected in "
+                                       f"place from round {iteration})")
+            if (not one_rank and iteration % CKPT_EVERY == 0 and durable
+                    and after[0]["resumed_from"] != commit.checkpoint_name(iteration)):
+                self.violations.append(f"{where}: every rank reported iteration {iteration} with a "
+                                       f"checkpoint, then {fault} struck, and the next attempt resumed "
+                                       f"from {after[0]['resumed_from']}")
+            return
+        if JIT[0] and not IN_PLACE[0] and one_rank and iteration % CKPT_EVERY:
             # One rank struck right after report n: the survivor saves round n just in time,
             # unless it was killed while saving, which must leave round n uncommitted.
             saver_killed = "during_jit_save" in read_struck(os.path.join(self.workdir, "faults"))
