@@ -629,6 +629,8 @@ class Harness:
             # rank holds round n (the fault strikes before a rank's state tracks the report), and
             # the next attempt resumes from checkpoint n when round n carried one.
             resumed = after[0].get("in_place") or {}
+            struck = read_struck(os.path.join(self.workdir, "faults"))
+            self.counts["in place: killed while the state was sent"] += "during_peer_share" in struck
             if one_rank and resumed.get("iteration") != iteration:
                 self.violations.append(f"{where}: every rank reported iteration {iteration}, then {fault} "
                                        f"struck one rank, and the next attempt is {after} (expected in "
