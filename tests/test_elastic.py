@@ -10,7 +10,7 @@ import pytest
 
 from fake_group import FakeWorkerGroup, call, die, lose_node, report
 from unbroken.execution.controller import Controller
-from unbroken.execution.elastic import ElasticSizing, wait_for_capacity
+from unbroken.execution.elastic import ElasticScaler, ElasticSizing, wait_for_capacity
 from unbroken.train import DataParallelTrainer, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.open_run import open_run
 
@@ -310,8 +310,16 @@ def test_a_sweep_on_a_cluster_starts_a_trial_when_it_fits_beside_what_the_others
     from unbroken.tune.trial_slots import TrialSlots
 
     slots = TrialSlots(slots=4, need=1, most=3)  # elastic trials of 1 to 3 workers on 4 slots
-    assert slots.admits([]), "the first trial always starts"
-    assert slots.admits([3]) and not slots.admits([3, 1]), "one that got 3 leaves room for one more"
-    assert slots.admits([2, 1]), "counted at what they hold now, not at their most"
-    assert not slots.admits([None, 1]), "a trial not sized yet counts at its most"
-    assert not TrialSlots(slots=4, need=2, most=2).admits([2, 2])
+    assert slots.share([]) == 3, "the first trial may take its most"
+    assert slots.share([3]) == 1 and slots.share([3, 1]) == 0, "one that got 3 leaves room for one more"
+    assert slots.share([2, 1]) == 1, "counted at what they hold now, not at their most"
+    assert TrialSlots(slots=4, need=2, most=2).share([2, 2]) == 0
+    assert TrialSlots(slots=1, need=2, most=2).share([]) == 2, "alone, a trial too large for the cluster"
+
+
+def test_a_sweeps_share_caps_an_elastic_trials_first_attempt_only(storage):
+    probe = Probe(total=3)
+    scaler = ElasticScaler(ScalingConfig(num_workers=(1, 3)), probe, start_limit=1)
+    assert scaler.next_attempt()[0].num_workers == 1, "it starts at once with its share"
+    scaler.failed([])
+    assert scaler.next_attempt()[0].num_workers == 3, "later attempts take what can be placed"

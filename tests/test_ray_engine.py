@@ -165,7 +165,7 @@ def test_the_driver_takes_only_connections_that_prove_the_attempts_secret(monkey
 
     from unbroken.execution.engine.ray_link import Listener as _Listener
 
-    monkeypatch.setattr("unbroken.execution.engine.ray._HANDSHAKE_S", 1)
+    monkeypatch.setattr("unbroken.execution.engine.ray.HANDSHAKE_S", 1)
     listener = _Listener("127.0.0.1", b"s" * 32)
     outcome: dict = {}
 

@@ -82,13 +82,13 @@ def test_random_kills_with_recovery_in_place():
     # and sends the round's state (the harness checks the next attempt recovered in place from
     # it); the sender or the receiver is sometimes killed in the middle of the transfer.
     report = run_harness(12, "--in-place", "--strike")
-    check(report, 12)
+    check(report, 12, restores=1)  # a launch goes on after a failure, so fewer launches fail
     assert report.get("in place: recoveries", 0) >= 1, report
 
 
 @pytest.mark.slow
 def test_random_kills_with_recovery_in_place_soak():
-    check(run_harness(150, "--in-place"), 150)
+    check(run_harness(150, "--in-place"), 150, restores=50)
 
 
 @pytest.mark.slow  # about a minute a trial: elastic restarts on Ray take seconds

@@ -108,7 +108,8 @@ class Controller:
         self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
         self._saves = PendingCommits(run.reported)  # the attempt's asynchronous saves not committed yet
         # An elastic run (num_workers=(min, max)): each attempt's size, from the engine's `capacity`.
-        self._elastic = (ElasticScaler(self.scaling, capacity or Unbounded())
+        self._elastic = (ElasticScaler(self.scaling, capacity or Unbounded(),
+                                       start_limit=getattr(trainer, "_elastic_start_limit", None))
                          if self.scaling.elasticity_enabled else None)
         self._in_place: InPlacePlan | None = None  # the failing attempt's ranks stay (see in_place)
         self._rejoin: tuple[WorkerGroup, InPlacePlan] | None = None  # ... for the next attempt

@@ -58,17 +58,18 @@ class ElasticSizing:
 
 def wait_for_capacity(sizing: ElasticSizing, capacity: Callable[[], int], *, more_s: float,
                       timeout_s: float, clock: Callable[[], float], sleep: Callable[[float], None],
-                      poll_s: float = 0.5) -> tuple[int | None, int]:
-    """Poll `capacity()` until an attempt can start: at once with max_workers, after `more_s`
-    with at least min_workers (a first start waits that long for more; a restart after a
-    failure does not wait); returns (its size, the capacity seen), or (None, the last capacity
-    seen) after `timeout_s` below min_workers."""
+                      poll_s: float = 0.5, most: int | None = None) -> tuple[int | None, int]:
+    """Poll `capacity()` until an attempt can start: at once with `most` workers (default
+    max_workers), after `more_s` with at least min_workers (a first start waits that long for
+    more; a restart after a failure does not wait); returns (its size, the capacity seen), or
+    (None, the last capacity seen) after `timeout_s` below min_workers."""
+    most = sizing.max_workers if most is None else most
     start = clock()
     while True:
         seen = capacity()
-        n = sizing.size(seen)
+        n = sizing.size(min(seen, most))
         waited = clock() - start
-        if n == sizing.max_workers or (n is not None and waited >= more_s) or waited >= timeout_s:
+        if n == most or (n is not None and waited >= more_s) or waited >= timeout_s:
             return n, seen
         sleep(poll_s)
 
@@ -106,7 +107,7 @@ class ElasticScaler:
 
     def __init__(self, scaling: ScalingConfig, probe: CapacityProbe,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, start_limit: int | None = None) -> None:
         self.base = scaling
         self.probe = probe
         self.sizing = ElasticSizing(scaling.min_workers, scaling.max_workers,
@@ -115,16 +116,22 @@ class ElasticScaler:
         self.current: int | None = None  # the size of the latest attempt
         self.reason = "start"
         self.lost_nodes: set[str] = set()
+        # At most this many workers for the first attempt: a sweep's share of the cluster for a
+        # trial (tune.trial_slots), so that trials started together do not count the same slots.
+        self.start_limit = start_limit
 
     def next_attempt(self, held: int = 0) -> tuple[ScalingConfig, dict[str, Any]]:
         """The next attempt's scaling and its record (Attempt.elastic); `held`: workers the
         run still holds on live nodes (a group kept warm for the restart). Raises
         InsufficientResourcesError when fewer than min_workers can be placed in time."""
-        limit = self.sizing.max_workers - held
+        most = self.sizing.max_workers
+        if self.current is None and self.start_limit is not None:
+            most = max(self.sizing.min_workers, min(most, self.start_limit))
+        limit = most - held
         n, seen = wait_for_capacity(
             self.sizing, lambda: held + self.probe(self.lost_nodes, limit),
             more_s=self._wait_for_more(), timeout_s=self.probe.timeout_s,
-            clock=self.clock, sleep=self.sleep)
+            clock=self.clock, sleep=self.sleep, most=most)
         if n is None:
             lost = ", ".join(sorted(node[:12] for node in self.lost_nodes))
             raise InsufficientResourcesError(

@@ -110,6 +110,7 @@ class _Running:
     conn: Any
     message: TrialOutcome | None = None
     conn_open: bool = True
+    share: int = 0  # on a Ray cluster: the workers it may start with (counted until it is sized)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class SweepDriver:
     concurrency: int
     total: int
     verbose: int = 1
-    slots: TrialSlots | None = None  # on a Ray cluster: whether the next trial fits now
+    slots: TrialSlots | None = None  # on a Ray cluster: the share of the cluster the next trial gets
     queue: list[str] = field(default_factory=list)
     ctx: SearchContext | None = None
     _method: str = "fork"
@@ -242,9 +243,10 @@ class SweepDriver:
         rc = trial_run_config(self.run_config, record.name, self.storage.url(), stop, base)
         return build_trainer(self.trainable, config, rc)
 
-    def _launch(self, record: TrialRecord) -> _Running | None:
+    def _launch(self, record: TrialRecord, share: int | None = None) -> _Running | None:
         try:
             trainer = self._trainer(record)
+            trainer._elastic_start_limit = share  # its first attempt's most (a Ray cluster's share)
         except Exception as e:  # a config the trainer refuses: the trial fails, the sweep goes on
             self._ended(record, sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0])
             return None
@@ -272,7 +274,7 @@ class SweepDriver:
         writer.close()
         record.status, record.started_at, record.ended_at, record.error = sw.RUNNING, time.time(), None, None
         self.save()
-        return _Running(record, proc, reader)
+        return _Running(record, proc, reader, share=share or 0)
 
     def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
         # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
@@ -384,20 +386,26 @@ class SweepDriver:
     def _start_trials(self, running: dict[str, _Running]) -> None:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer
         cannot be built is recorded as ERROR and not counted)."""
-        while len(running) < self.concurrency and self._fits(running):
+        while len(running) < self.concurrency:
+            share = self._share(running)
+            if share == 0:
+                return  # no room on the cluster now: again once a trial ends or shrinks
             record = self._next()
             if record is None:
                 return
-            started = self._launch(record)
+            started = self._launch(record, share)
             if started is not None:
                 running[record.name] = started
                 self._say("%s started with %s; %s", record.name, record.config, self._progress())
 
-    def _fits(self, running: dict[str, _Running]) -> bool:
-        """Whether the next trial fits beside what the running ones hold now (Ray engine)."""
-        if self.slots is None or not running:
-            return True
-        return self.slots.admits([holding(self.storage.child(name)) for name in running])
+    def _share(self, running: dict[str, _Running]) -> int | None:
+        """On a Ray cluster, the most workers the next trial may start with beside what the
+        running ones hold now (0: none fits now; see `trial_slots`); None on the local engine."""
+        if self.slots is None:
+            return None
+        held = [holding(self.storage.child(name), self.slots.most) for name in running]
+        return self.slots.share([r.share if h is None else h for r, h in zip(running.values(), held,
+                                                                            strict=True)])
 
     def _wait(self, running: dict[str, _Running], interrupts: Interrupts) -> list[Any]:
         """Block until a trial process ends, a trial sends, or a signal comes (POLL_S at most, so

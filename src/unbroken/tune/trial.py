@@ -226,6 +226,7 @@ def run_trial(payload: TrialPayload) -> str:
         # re-specified on Tuner.restore amends the run (logged) instead of being refused.
         trainer = type(trainer).restore(payload.path, allow_pickle=False, **trainer._init_args)
     trainer._trial_info = payload.info
+    trainer._elastic_start_limit = getattr(payload.trainer, "_elastic_start_limit", None)
     return trainer.fit().status or mf.FINISHED
 
 

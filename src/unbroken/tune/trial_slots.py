@@ -10,8 +10,11 @@ trials hold now, plus the next trial's `min_workers`, fit in the cluster: a tria
 starts only to wait for capacity that its siblings hold, and an elastic trial that got less
 than its most leaves room for the next.
 
-What a running trial holds is read from its run: the size of its attempt under way, or its
-`max_workers` while it has none (it is being sized, or is between the attempts of a resize).
+What a running trial holds is read from its run: the size of its attempt under way, its
+`max_workers` between two attempts, and before its first attempt the share it was started
+with. That share also caps its first attempt (`ElasticScaler(start_limit=...)`): trials
+started a moment apart do not count the same free slots, whatever order their workers are
+placed in.
 """
 
 from __future__ import annotations
@@ -31,22 +34,29 @@ class TrialSlots:
     need: int   # what the next trial needs to start: its min_workers
     most: int   # what a trial holds at most: its max_workers
 
-    def admits(self, holding: list[int | None]) -> bool:
-        """Whether one more trial fits, given what each running trial holds now (None: not
-        known, counted at `most`). With no trial running, always: a trial larger than the
-        cluster then fails with the placement error, as it would alone."""
-        held = sum(self.most if h is None else h for h in holding)
-        return not holding or held + self.need <= self.slots
+    def share(self, holding: list[int]) -> int:
+        """The most workers the next trial may start with, given what each running trial
+        holds now; 0 when it does not fit now. With no trial running, always at least
+        `need`: a trial larger than the cluster then fails with the placement error, as it
+        would alone. The share caps the trial's first attempt only; it grows later as any
+        elastic run does, when more can be placed."""
+        free = self.slots - sum(holding)
+        if holding and free < self.need:
+            return 0
+        return min(self.most, max(self.need, free))
 
 
-def holding(trial: Storage) -> int | None:
-    """The workers trial run `trial` holds now: its running attempt's size, or None when it has
-    no attempt under way (not begun yet, between attempts, or unreadable for a moment)."""
+def holding(trial: Storage, most: int) -> int | None:
+    """The workers trial run `trial` holds now: its running attempt's size; `most` between
+    two attempts (a resize may take that many); None before its first attempt, or while its
+    run cannot be read for a moment."""
     try:
         if not mf.is_run_dir(trial):
             return None
         run = mf.load(trial)
     except (UnbrokenError, OSError):
         return None
-    last = run.attempts[-1] if run.attempts else None
-    return last.num_workers if last is not None and last.status == mf.RUNNING else None
+    if not run.attempts:
+        return None
+    last = run.attempts[-1]
+    return last.num_workers if last.status == mf.RUNNING else most

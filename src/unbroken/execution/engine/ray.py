@@ -199,17 +199,19 @@ class RayWorkerGroup:
         return actors
 
     def warm_up(self) -> None:
-        if self.spares or self.pg is None or self.scaling.use_gpu:
+        """One spare per bundle (again for those a `rejoin` took)."""
+        if (self.spares and None not in self.spares) or self.pg is None or self.scaling.use_gpu:
             return
         # Outside the placement group, on the nodes of its bundles: a spare outlives the group
         # when it is released (another size, a lost node) and serves the next one on its node.
         self._spare_nodes = [self.metas[self._bundles.index(i)]["node_id"] for i in range(self.num_workers)]
-        self.spares = [ray.remote(RankActor).options(
-            num_cpus=0, max_restarts=0, max_concurrency=1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-            for node in self._spare_nodes]
-        for spare in self.spares:
-            spare.warm.remote(self.num_workers > 1)
+        self.spares = self.spares or [None] * self.num_workers
+        for i, node in enumerate(self._spare_nodes):
+            if self.spares[i] is None:
+                self.spares[i] = ray.remote(RankActor).options(
+                    num_cpus=0, max_restarts=0, max_concurrency=1,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                self.spares[i].warm.remote(self.num_workers > 1)
 
     def release_placement(self) -> None:
         if self.pg is not None:
