@@ -625,13 +625,14 @@ class Harness:
         after = (read_manifest(path) or {}).get("attempts", [])[attempts_before + 1:attempts_before + 2]
         if IN_PLACE[0] and after:
             # The launch went on (max_failures 2). One rank struck: the other, clean since report
-            # n, stays and the next attempt resumes from round n in place. Every rank struck: no
-            # rank holds round n (the fault strikes before a rank's state tracks the report), and
-            # the next attempt resumes from checkpoint n when round n carried one.
+            # n, stays and the next attempt resumes from round n in place (after the last report
+            # the other finishes instead, and the run resumes from its final checkpoint). Every
+            # rank struck: no rank holds round n (the fault strikes before a rank's state tracks
+            # the report), and the next attempt resumes from checkpoint n when round n carried one.
             resumed = after[0].get("in_place") or {}
             struck = read_struck(os.path.join(self.workdir, "faults"))
             self.counts["in place: killed while the state was sent"] += "during_peer_share" in struck
-            if one_rank and resumed.get("iteration") != iteration:
+            if one_rank and iteration < ITERATIONS and resumed.get("iteration") != iteration:
                 self.violations.append(f"{where}: every rank reported iteration {iteration}, then {fault} "
                                        f"struck one rank, and the next attempt is {after} (expected in "
                                        f"place from round {iteration})")
