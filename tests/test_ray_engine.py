@@ -442,6 +442,7 @@ trainer({storage!r}, "driver-kill", {str(tmp_path)!r}, echo=True, on_request=Tru
     assert [a["status"] for a in attempts_at(path)] == ["INTERRUPTED", "ABORTED", "FINISHED"]
 
 
+@pytest.mark.slow  # 14 s; the in-place test below compares a Ray run with a local one bit for bit
 def test_exact_resume_on_ray_equals_the_local_engine_bit_for_bit(cluster, storage):
     config = {**BASE, "kill_at": [[7, 1, 1, "sigkill"]]}
 
@@ -465,6 +466,7 @@ def jit_run(engine: str, storage: str, name: str, in_place: bool = False, **conf
                                              failure_config=failures)).fit()
 
 
+@pytest.mark.slow  # 10 s; just-in-time saves are engine-neutral (test_jit_checkpoint), offers on Ray below
 def test_a_killed_rank_on_ray_resumes_from_the_survivors_checkpoint_bit_for_bit(cluster, storage):
     local = jit_run("local", storage, "jit-local")
     on_ray = jit_run("ray", storage, "jit-ray", die_after_report=[[6, 1, 1, "sigkill"]])

@@ -86,52 +86,35 @@ def share(session: Session, kept: dict[str, Any] | None) -> None:
         return
     device = _device()
     tensors: list[torch.Tensor] = []
-    layout = [_split(kept, tensors) if info.world_rank == source else None]
+    layout = [(_split(kept, tensors), [(t.shape, t.dtype) for t in tensors]) if info.world_rank == source
+              else None]
     dist.broadcast_object_list(layout, source)
     faults.point("during_peer_share")  # crash tests: the sender or a receiver dies mid-transfer
+    skeleton, specs = layout[0]
     if info.world_rank != source:
-        tensors = [torch.empty(slot.shape, dtype=slot.dtype, device=device) for slot in _slots(layout[0])]
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
     for tensor in tensors:  # received where the group's collectives take them; load_state_dict moves them
         dist.broadcast(tensor.to(device).contiguous() if info.world_rank == source else tensor, source)
-    session.peer_state = kept if info.world_rank == source else _join(layout[0], tensors)
+    session.peer_state = kept if info.world_rank == source else _join(skeleton, tensors)
 
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where tensor `index` of the state goes, and what the receivers allocate for it."""
+    """Where tensor `index` of the state goes."""
 
     index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def _split(value: Any, tensors: list[torch.Tensor]) -> Any:
     """`value` with each tensor replaced by a `_Slot`, the tensors appended to `tensors`."""
     if isinstance(value, torch.Tensor):
         tensors.append(value.detach())
-        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+        return _Slot(len(tensors) - 1)
     if isinstance(value, dict):
         return type(value)((k, _split(v, tensors)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return type(value)(_split(v, tensors) for v in value)
     return value
-
-
-def _slots(layout: Any) -> list[_Slot]:
-    """The layout's slots, in index order."""
-    found: list[_Slot] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, _Slot):
-            found.append(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-    walk(layout)
-    return sorted(found, key=lambda slot: slot.index)
 
 
 def _join(layout: Any, tensors: list[torch.Tensor]) -> Any:
