@@ -53,8 +53,9 @@ class WorkerGroup(Protocol):
     """The workers of one attempt, addressed by rank (0 .. num_workers-1).
 
     Lifecycle: `start` once; then any number of `poll`, `send`, `mark_finished` and
-    `lost_ranks` calls; then `shutdown` (always, also after `start` raised). A group is not
-    reused across attempts: each attempt gets a new one from the engine's factory.
+    `lost_ranks` calls; then `shutdown` (always, also after `start` raised). Each attempt
+    gets a new group from the engine's factory, except a recovery in place: the failed
+    attempt's group then serves the next one too, after `rejoin` (in place of `start`).
     """
 
     num_workers: int
