@@ -175,6 +175,7 @@ print("DONE", result.metrics["attempt"], flush=True)
 """
 
 
+@pytest.mark.slow  # 14 s; killed uploads on S3 (sync) are in test_s3, killed async saves in the harness
 def test_on_s3_a_killed_upload_is_never_committed_and_the_run_resumes(s3_endpoint, reference, tmp_path):
     from test_s3 import keys, prefix, read
 

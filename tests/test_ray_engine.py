@@ -165,7 +165,7 @@ def test_the_driver_takes_only_connections_that_prove_the_attempts_secret(monkey
 
     from unbroken.execution.engine.ray_link import Listener as _Listener
 
-    monkeypatch.setattr("unbroken.execution.engine.ray.HANDSHAKE_S", 1)
+    monkeypatch.setattr("unbroken.execution.engine.ray_link.HANDSHAKE_S", 1)
     listener = _Listener("127.0.0.1", b"s" * 32)
     outcome: dict = {}
 
@@ -537,6 +537,7 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, t
     assert tune.Tuner.restore(os.path.join(storage, "sweep"), base).fit().num_terminated == 3
 
 
+@pytest.mark.slow  # 30 s; TrialSlots' arithmetic is unit-tested in test_elastic
 def test_elastic_trials_share_the_cluster_by_what_each_holds_now(cluster, storage):
     """Two elastic trials (1 to 2 workers) on three 1-CPU nodes, both allowed at once: the first
     takes 2 workers, the second starts beside it on the 1 slot left (it is not counted at its

@@ -78,7 +78,28 @@ def fresh_machine(tmp_path, endpoint: str, name: str) -> dict:
     return dict(s3_env(endpoint), HOME=str(home), TMPDIR=str(home), UNBROKEN_STORAGE=str(home / "nope"))
 
 
-def test_run_layout_on_s3_and_a_marker_less_upload_is_never_used(s3_endpoint, tmp_path):
+READER = """
+import os, sys
+from unbroken.errors import RunNotFoundError
+from unbroken.train import Checkpoint, Result
+from unbroken.train.torch import TorchTrainer
+url = sys.argv[1]
+result = Result.from_path(url)
+print("CAN", TorchTrainer.can_restore(url), TorchTrainer.can_restore(url + "-missing"))
+print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.checkpoint.url)
+# Ray's pair: a path on the filesystem, with no scheme, opens the same run and checkpoint again.
+print("PATHS", result.path, result.checkpoint.path, result.url)
+again = Result.from_path(result.path, storage_filesystem=result.filesystem)
+same = Checkpoint(path=result.checkpoint.path, filesystem=result.checkpoint.filesystem)
+print("AGAIN", len(again.rows), same == result.checkpoint, sorted(os.listdir(same.to_directory())))
+try:
+    Result.from_path(result.path)  # a path with no scheme and no filesystem is a local path
+except RunNotFoundError as e:
+    print("HINT", "result.url" in str(e) and "storage_filesystem=result.filesystem" in str(e))
+"""
+
+
+def test_run_layout_on_s3_a_marker_less_upload_is_never_used_and_result_reads_it(s3_endpoint, tmp_path):
     storage, name = prefix(), "layout"
     url = f"{storage}/{name}"
     config = {"iterations": ITERATIONS, "ckpt_every": 2}
@@ -104,6 +125,15 @@ def test_run_layout_on_s3_and_a_marker_less_upload_is_never_used(s3_endpoint, tm
     assert [f["path"] for f in marker["files"]] == ["state.pt"] and marker["iteration"] == 10
     rows = [json.loads(line) for line in read(s3_endpoint, url, "result.json").decode().splitlines()]
     assert [r["training_iteration"] for r in rows if r["attempt"] == 2] == list(range(5, ITERATIONS + 1))
+
+    # Result, can_restore and Checkpoint read the finished run from another process.
+    out = run_script(READER, url, **s3_env(s3_endpoint)).stdout
+    assert "CAN True False" in out
+    last = f"{url}/checkpoint_{ITERATIONS:06d}"
+    assert f"ROWS {list(range(1, ITERATIONS + 1))} {last}" in out
+    bare = url[len("s3://"):]
+    assert f"PATHS {bare} {last[len('s3://'):]} {url}" in out
+    assert "AGAIN 10 True ['state.pt']" in out and "HINT True" in out
 
 
 @pytest.mark.slow  # 24 s; driver kills and restores on S3 are in the crash harness's --s3 trial
@@ -208,37 +238,6 @@ def test_lease_on_s3_uses_conditional_writes(s3_endpoint):
     assert "TAKEN OVER" in out
     assert "LOST" in out and "taken over by another driver" in out and "FIRST STILL BEATS" not in out
     assert "HOLDER True" in out
-
-
-def test_result_and_can_restore_read_an_s3_run(s3_endpoint, tmp_path):
-    storage, name = prefix(), "readable"
-    run_script(DRIVER, storage, name, json.dumps({"iterations": 4}), **s3_env(s3_endpoint))
-    code = """
-import os, sys
-from unbroken.errors import RunNotFoundError
-from unbroken.train import Checkpoint, Result
-from unbroken.train.torch import TorchTrainer
-url = sys.argv[1]
-result = Result.from_path(url)
-print("CAN", TorchTrainer.can_restore(url), TorchTrainer.can_restore(url + "-missing"))
-print("ROWS", list(result.metrics_dataframe["training_iteration"]), result.checkpoint.url)
-# Ray's pair: a path on the filesystem, with no scheme, opens the same run and checkpoint again.
-print("PATHS", result.path, result.checkpoint.path, result.url)
-again = Result.from_path(result.path, storage_filesystem=result.filesystem)
-same = Checkpoint(path=result.checkpoint.path, filesystem=result.checkpoint.filesystem)
-print("AGAIN", len(again.rows), same == result.checkpoint, sorted(os.listdir(same.to_directory())))
-try:
-    Result.from_path(result.path)  # a path with no scheme and no filesystem is a local path
-except RunNotFoundError as e:
-    print("HINT", "result.url" in str(e) and "storage_filesystem=result.filesystem" in str(e))
-"""
-    out = run_script(code, f"{storage}/{name}", **s3_env(s3_endpoint)).stdout
-    assert "CAN True False" in out
-    run = f"{storage}/{name}"
-    assert f"ROWS [1, 2, 3, 4] {run}/checkpoint_000004" in out
-    bare = run[len("s3://"):]
-    assert f"PATHS {bare} {bare}/checkpoint_000004 {run}" in out
-    assert "AGAIN 4 True ['state.pt']" in out and "HINT True" in out
 
 
 STALE = """

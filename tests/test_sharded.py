@@ -243,6 +243,7 @@ torch.save(Checkpoint(sys.argv[1]).to_state_dict(), sys.argv[2])
 """
 
 
+@pytest.mark.slow  # 13 s; sharded saves locally and whole-state saves on S3 run by default
 def test_sharded_checkpoint_on_s3(s3_endpoint, reference, tmp_path):
     from test_s3 import keys, prefix
 
