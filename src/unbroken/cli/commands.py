@@ -4,7 +4,7 @@
     unbroken show PATH [--json]
     unbroken verify PATH [--json]
     unbroken resume PATH [--max-failures N]
-    unbroken plot PATH [-o FILE] [--metric NAME ...]
+    unbroken plot PATH [-o FILE] [--metric NAME ... | --goodput]
 
 `ls`, `show`, `verify` and `plot` only read the run directory. Exit codes: 0 all is well,
 1 a problem was found (a torn or corrupted checkpoint, an unreadable run, a resume that
@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 from unbroken import __version__
-from unbroken.cli import inspection, sweep_view
+from unbroken.cli import goodput_view, inspection, sweep_view
+from unbroken.cli.tables import describe
 from unbroken.cli.tables import table as _table
 from unbroken.cli.tables import when as _when
 from unbroken.core.units import format_bytes
@@ -112,8 +113,12 @@ def _parser() -> argparse.ArgumentParser:
                                            "attempts resumed.")
     plot.add_argument("path", metavar="PATH", help="the run directory")
     plot.add_argument("-o", "--output", metavar="FILE", help="the PNG to write (default: ./<name>.png)")
-    plot.add_argument("--metric", action="append", metavar="NAME",
+    what = plot.add_mutually_exclusive_group()
+    what.add_argument("--metric", action="append", metavar="NAME",
                       help="a metric to draw (repeat for several; default: every measured metric)")
+    what.add_argument("--goodput", action="store_true",
+                      help="draw where the run's time went instead: productive, checkpoint, recovery, "
+                           "redone and waiting as bands, attempts and failures marked")
     plot.set_defaults(handler=cmd_plot)
     return parser
 
@@ -141,10 +146,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     else:
         rows = [[r.name, r.status, len(r.attempts) if r.attempts else "-", _or_dash(r.iteration),
                  _sweep_counts(r.trials) if r.kind == "sweep" else _metric(r.last_metrics, args.metric),
-                 r.latest_checkpoint or "-", _when(r.updated_at)]
+                 goodput_view.cell(r.time), r.latest_checkpoint or "-", _when(r.updated_at)]
                 for r in runs]
-        print(_table(["NAME", "STATUS", "ATTEMPTS", "ITER", "LAST METRIC", "LATEST CHECKPOINT", "UPDATED"],
-                     rows))
+        print(_table(["NAME", "STATUS", "ATTEMPTS", "ITER", "LAST METRIC", "GOODPUT", "LATEST CHECKPOINT",
+                      "UPDATED"], rows))
         for r in runs:
             if r.problem:
                 print(f"{r.name}: {r.problem}", file=sys.stderr)
@@ -167,6 +172,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     _show_head(s)
     _show_attempts(s)
+    print("\ntime (docs/guarantees.md#where-the-time-went)")
+    print("\n".join(goodput_view.lines(s.time)))
     _show_checkpoints(s)
     _show_config(s)
     _show_last_metrics(s)
@@ -254,7 +261,7 @@ def _show_config(s: inspection.RunSummary) -> None:
     and the names of those that could only be pickled."""
     print("\nconfig")
     args_rows = [["train_loop_config", json.dumps(s.config, sort_keys=True)]] if s.config is not None else []
-    args_rows += [[name, _describe(value)] for name, value in sorted(s.params.items())
+    args_rows += [[name, describe(value)] for name, value in sorted(s.params.items())
                   if name != "train_loop_config" and value is not None]
     args_rows += [[name, "(pickled)"] for name in s.pickled_params]
     print(_table(None, args_rows, indent=2) if args_rows else "  none")
@@ -396,10 +403,16 @@ def _fit_to_end(trainer: Any, storage: Storage, name: str) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from unbroken.cli.plotting import plot_run
+    from unbroken.cli.plotting import plot_goodput, plot_run
 
     path = os.path.abspath(os.path.expanduser(args.path)) if "://" not in args.path else args.path
-    out = args.output or f"{path.rstrip('/').rsplit('/', 1)[-1]}.png"
+    name = path.rstrip('/').rsplit('/', 1)[-1]
+    if args.goodput:
+        out = args.output or f"{name}-goodput.png"
+        plot_goodput(path, out)
+        print(f"wrote {out}: where the run's time went")
+        return EXIT_OK
+    out = args.output or f"{name}.png"
     drawn = plot_run(path, out, args.metric)
     print(f"wrote {out}: {', '.join(drawn)} against training_iteration")
     return EXIT_OK
@@ -456,34 +469,3 @@ def _state(c: inspection.CheckpointState) -> str:
     if c.state in (inspection.TORN, inspection.CORRUPTED):
         return f"{c.state}: {'; '.join(c.problems)}"
     return c.state
-
-
-def _describe(value: Any) -> str:
-    """A saved argument as Python-like text: dataclasses as Cls(field=...), functions by name."""
-    if isinstance(value, dict):
-        if "__ref__" in value:
-            return value["__ref__"]
-        if "__tuple__" in value:
-            return "(" + ", ".join(_describe(v) for v in value["__tuple__"]) + ")"
-        if "__dataclass__" in value:
-            defaults = _defaults(value["__dataclass__"])
-            fields = ", ".join(f"{k}={_describe(v)}" for k, v in value["fields"].items()
-                               if v is not None and (k not in defaults or defaults[k] != v))
-            return f"{value['__dataclass__'].rsplit(':', 1)[-1]}({fields})"
-        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_describe(v) for v in value) + "]"
-    return repr(value)
-
-
-def _defaults(name: str) -> dict[str, Any]:
-    """The encoded default fields of one of unbroken's own config dataclasses (others: none),
-    so that a saved config shows only what was set."""
-    if not name.startswith("unbroken."):
-        return {}  # importing a user's module could run anything
-    from unbroken.core.codec import encode, import_by_name
-
-    try:
-        return encode(import_by_name(name)())["fields"]
-    except Exception:
-        return {}

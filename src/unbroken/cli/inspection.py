@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.errors import RunNotFoundError, TornCheckpointError, UnbrokenError
+from unbroken.run import goodput
 from unbroken.run.restore import PARAMS_JSON
 from unbroken.store import commit, history, validation_record
 from unbroken.store import manifest as mf
@@ -84,6 +85,7 @@ class RunSummary:
     problem: str | None = None
     kind: str = "run"  # or "sweep": then `trials` counts its trials by status
     trials: dict[str, int] | None = None
+    time: dict[str, Any] | None = None  # where the run's time went: run.goodput.Goodput.to_json()
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -191,7 +193,7 @@ def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) ->
         params=manifest.params, pickled_params=manifest.pickled_params,
         config=manifest.identity["train_loop_config"] if "train_loop_config" in manifest.identity
         else _read_json(storage, PARAMS_JSON),
-        driver=driver)
+        driver=driver, time=goodput.of_run(attempts, history.read_rows(storage)).to_json())
     if brief:
         names, _ = commit.scan(storage)
         for name in reversed(names):

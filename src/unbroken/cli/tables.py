@@ -1,4 +1,4 @@
-"""Plain-text tables and times for the command line."""
+"""Plain-text tables, times and saved arguments for the command line."""
 
 from __future__ import annotations
 
@@ -17,3 +17,34 @@ def table(headers: list[str] | None, rows: list[list[Any]], indent: int = 0) -> 
 def when(t: float | None) -> str:
     """A Unix time as local `YYYY-mm-dd HH:MM:SS`, or "-"."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def describe(value: Any) -> str:
+    """A saved argument as Python-like text: dataclasses as Cls(field=...), functions by name."""
+    if isinstance(value, dict):
+        if "__ref__" in value:
+            return value["__ref__"]
+        if "__tuple__" in value:
+            return "(" + ", ".join(describe(v) for v in value["__tuple__"]) + ")"
+        if "__dataclass__" in value:
+            defaults = _defaults(value["__dataclass__"])
+            fields = ", ".join(f"{k}={describe(v)}" for k, v in value["fields"].items()
+                               if v is not None and (k not in defaults or defaults[k] != v))
+            return f"{value['__dataclass__'].rsplit(':', 1)[-1]}({fields})"
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(describe(v) for v in value) + "]"
+    return repr(value)
+
+
+def _defaults(name: str) -> dict[str, Any]:
+    """The encoded default fields of one of unbroken's own config dataclasses (others: none),
+    so that a saved config shows only what was set."""
+    if not name.startswith("unbroken."):
+        return {}  # importing a user's module could run anything
+    from unbroken.core.codec import encode, import_by_name
+
+    try:
+        return encode(import_by_name(name)())["fields"]
+    except Exception:
+        return {}

@@ -434,7 +434,8 @@ class Controller:
         metrics = by_rank[0].metrics
         if self._elastic is not None:  # an elastic run's rows say how many workers made them
             metrics = {**metrics, "world_size": self.scaling.num_workers}
-        row = self.run.record(iteration, metrics, name if saved else None)
+        row = self.run.record(iteration, metrics, name if saved else None,
+                              max(m.save_s for m in by_rank.values()) if saved else None)
         metrics = [by_rank[r].metrics for r in sorted(by_rank)]
         validation = next((by_rank[r].validation for r in sorted(by_rank) if by_rank[r].validation), None)
         self._settle_checkpoint(group, rounds, PendingCommit(iteration, name, row, metrics, staged, pending,

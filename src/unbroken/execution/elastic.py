@@ -128,6 +128,7 @@ class ElasticScaler:
         if self.current is None and self.start_limit is not None:
             most = max(self.sizing.min_workers, min(most, self.start_limit))
         limit = most - held
+        began = self.clock()
         n, seen = wait_for_capacity(
             self.sizing, lambda: held + self.probe(self.lost_nodes, limit),
             more_s=self._wait_for_more(), timeout_s=self.probe.timeout_s,
@@ -139,7 +140,8 @@ class ElasticScaler:
                 f"be placed within {self.probe.timeout_s:g} s (each worker needs {self.base.worker_resources}"
                 f"{'; nodes lost: ' + lost if lost else ''}). Hint: add nodes, or lower "
                 "ScalingConfig(num_workers=(min_workers, max_workers))")
-        record = {"reason": self.reason, "capacity": seen, "previous": self.current}
+        record = {"reason": self.reason, "capacity": seen, "previous": self.current,
+                  "waited_s": round(self.clock() - began, 3)}
         self.current = n
         self.sizing.started(self.clock())
         return self.base.fixed(n), record

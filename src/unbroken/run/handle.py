@@ -43,6 +43,7 @@ class Run:
         self.callbacks = CallbackList()  # the trainer sets RunConfig.callbacks and the progress display
         # How this fit() changed the run's identity (recorded with its first attempt), or None.
         self.config_change: dict[str, dict[str, Any]] | None = None
+        self.fit_started_at = time.time()  # the trainer sets when its fit() began
 
     @property
     def path(self) -> str:
@@ -80,7 +81,7 @@ class Run:
                                resumed_iteration=(in_place["iteration"] if in_place is not None
                                                   else resume.iteration if resume else 0),
                                num_workers=num_workers, config_change=self.config_change, elastic=elastic,
-                               in_place=in_place)
+                               in_place=in_place, fit_started_at=self.fit_started_at)
         self.config_change = None  # a restart within this fit() changes nothing more
         self.manifest.attempts.append(self.attempt)
         self.manifest.status = mf.RUNNING
@@ -119,8 +120,11 @@ class Run:
         self.lease.release()
 
     # -- reports ------------------------------------------------------------------------
-    def record(self, iteration: int, metrics: dict[str, Any], checkpoint_name: str | None) -> dict:
-        """Append the row for one report round (rank 0's metrics plus the run's counters)."""
+    def record(self, iteration: int, metrics: dict[str, Any], checkpoint_name: str | None,
+               save_s: float | None = None) -> dict:
+        """Append the row for one report round (rank 0's metrics plus the run's counters);
+        `save_s`: for a round that saved a checkpoint, the longest any rank's loop was blocked
+        saving it (`time_checkpoint_s`)."""
         assert self.attempt is not None
         now = time.monotonic()
         row = dict(metrics)
@@ -130,6 +134,8 @@ class Run:
                    time_total_s=self._time_base + since_restore, time_since_restore=since_restore,
                    time_this_iter_s=now - self._last_report_t, timestamp=time.time(),
                    attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
+        if save_s is not None:
+            row["time_checkpoint_s"] = save_s
         self._last_report_t = now
         self.history.append(row)
         self.callbacks.result(row)

@@ -67,6 +67,10 @@ class Attempt:
     # started again: {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}. Only in
     # run.json when there is one; `resumed_from` is then None (nothing was read from storage).
     in_place: dict[str, Any] | None = None
+    # When the fit() that began this attempt started (time.time()): attempts of one fit() share
+    # it, and the time from it to the first attempt is the run's start-up. Absent in runs
+    # written before it was recorded (see run.goodput).
+    fit_started_at: float | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:
@@ -106,7 +110,7 @@ class RunManifest(Manifest):
     def to_bytes(self) -> bytes:
         raw = self.to_dict()
         for attempt in raw["attempts"]:
-            for optional in ("config_change", "jit_checkpoint", "elastic", "in_place"):
+            for optional in ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at"):
                 if attempt[optional] is None:
                     del attempt[optional]
         return json.dumps(raw, indent=1, sort_keys=True, default=repr).encode()

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,10 +77,12 @@ class BaseTrainer:
 
         Raises TrainingFailedError (with the restore call in its message) when it cannot finish.
         """
+        started = time.time()
         callbacks = _callbacks(self.run_config)  # checks them before anything is written
         run, finished = open_run(self)
         if finished is not None:
             return finished
+        run.fit_started_at = started
         hint = restore_hint(type(self), run.path)
         run.callbacks = callbacks.bind(run)
         Controller(self, run, hint, group_factory=make_worker_group,

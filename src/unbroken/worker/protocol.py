@@ -30,7 +30,9 @@ class Report:
     """A rank's report N: its metrics, the files it staged for checkpoint N (if any), and
     the checkpoint directory name it gave with them (None: the default name). `pending`: this
     rank's files for checkpoint N are being written in the background; a `Staged` follows.
-    `validation`: the validation it asks for on checkpoint N (see `validation_config`)."""
+    `validation`: the validation it asks for on checkpoint N (see `validation_config`).
+    `save_s`: how long this report blocked the rank's loop saving checkpoint N (the row's
+    `time_checkpoint_s`, a run's checkpoint stall)."""
 
     iteration: int
     metrics: dict[str, Any]
@@ -38,6 +40,7 @@ class Report:
     name: str | None = None
     pending: bool = False
     validation: dict[str, Any] | None = None
+    save_s: float = 0.0
 
 
 @dataclass(slots=True)

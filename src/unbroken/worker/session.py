@@ -17,6 +17,7 @@ import pickle
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -176,6 +177,7 @@ class Session:
         self.datasets = datasets or {}
         self.iteration = info.start_iteration
         self.reports = 0
+        self._save_t0: float | None = None  # when the save of the coming report began
         self._awaiting_reply = False
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self.context = TrainContext(info, self)
@@ -266,6 +268,8 @@ class Session:
         `delete_local`: then it is moved aside at once and deleted once staged).
         `validation`: the validation request for the checkpoint (`validation_request`)."""
         check_json_metrics(metrics)
+        if checkpoint is not None:
+            self.saving()
         self._take_reply()  # from here on, every earlier report's synchronous checkpoint is committed
         self.saver.check()
         iteration = self.iteration + 1
@@ -295,6 +299,7 @@ class Session:
         the saver's thread, returns the local directory of this rank's files and whether to
         delete it once they are staged. The caller has already snapshotted what it saves."""
         check_json_metrics(metrics)
+        self.saving()
         self._take_reply()
         self.saver.check()
         iteration = self.iteration + 1
@@ -324,10 +329,19 @@ class Session:
         return stage_job(storage, staging, iteration, self.info.world_rank, produce, self.send,
                          guard=self.check_attempt)
 
+    def saving(self) -> None:
+        """The save of the coming report begins now (TrainState calls it before it serializes):
+        from here to the report's send, the loop is blocked saving (`Report.save_s`)."""
+        if self._save_t0 is None:
+            self._save_t0 = time.monotonic()
+
     def _send_report(self, report: Report, save: Callable[[], None] | None = None) -> None:
         """Send `report`, then start its background `save` (its `Staged` must follow it)."""
         asked = self._reply.checkpoint
         iteration = report.iteration
+        if self._save_t0 is not None:
+            report.save_s = time.monotonic() - self._save_t0
+            self._save_t0 = None
         self.send(report)
         if save is not None:
             self.saver.start(save)

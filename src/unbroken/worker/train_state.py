@@ -279,6 +279,7 @@ class TrainState:
         if not (checkpoint or session.should_checkpoint()):
             session.report(metrics)
             return False
+        session.saving()
         if self._async_save:
             session.saver.wait()  # one save in flight: the previous copy is freed before this one
             session.report_async(metrics, self._snapshot_writer())
