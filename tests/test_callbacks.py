@@ -194,6 +194,10 @@ def test_tensorboard_shows_one_curve_across_a_retry_and_a_resume(storage):
     assert [v for _, v in shown] == pytest.approx([v for _, v in timeline], rel=1e-6)
     assert shown[3][1] == pytest.approx(1 / 4 + 0.2), "step 4 as attempt 2 logged it, not attempt 1"
     assert len(tensorboard_scalars(logdir, "acc")) == 8
+    # At each attempt's last step, so far; attempt 1's (step 4) purged with its abandoned rows.
+    goodput = tensorboard_scalars(logdir, "goodput")
+    assert [step for step, _ in goodput] == [6, 8]
+    assert goodput[-1][1] == pytest.approx(result.time_spent().goodput, rel=1e-6)
 
 
 MLFLOW_FIRST = """
@@ -224,7 +228,8 @@ print(json.dumps({
     "runs": len(runs), "run_id": runs[0].info.run_id, "status_before": before.info.status,
     "status": runs[0].info.status, "callback_run_id": callback.run_id, "params": runs[0].data.params,
     "name": runs[0].info.run_name,
-    "loss": [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, "loss")]}))
+    "loss": [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, "loss")],
+    "goodput": [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, "goodput")]}))
 """
 
 
@@ -245,6 +250,9 @@ def test_mlflow_resumes_the_same_run_and_logs_each_step_once(storage, tmp_path):
     expected = {r["training_iteration"]: r["loss"] for r in Result.from_path(path).rows}
     assert loss == pytest.approx(expected)
     assert loss[4] == pytest.approx(1 / 4 + 0.2), "attempt 1's row 4 (after checkpoint 3) was never sent"
+    # Where the run's time went, at the end of each attempt that logged rows, as show prints it.
+    goodput = Result.from_path(path).time_spent().goodput
+    assert [step for step, _ in out["goodput"]][-1] == 8 and out["goodput"][-1][1] == pytest.approx(goodput)
 
 
 MLFLOW_UNREACHABLE = """

@@ -105,14 +105,16 @@ def test_ls_lists_runs_with_their_state_and_skips_other_directories(results):
     out = cli("ls", results["storage"])
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].split() == ["NAME", "STATUS", "ATTEMPTS", "ITER", "LAST", "METRIC",
-                                                  "LATEST", "CHECKPOINT", "UPDATED"]
+                                                  "GOODPUT", "LATEST", "CHECKPOINT", "UPDATED"]
     rows = table(out.stdout)
     assert sorted(rows) == RUNS, "notes/ and README.txt are not runs"
-    assert rows["finished"][1:6] == ["FINISHED", "2", "10", "loss=0.3", "checkpoint_000009"]
-    assert rows["errored"][1:6] == ["ERRORED", "1", "4", "loss=0.35", "checkpoint_000003"]
+    finished, errored = (rows[name][1:5] + rows[name][6:7] for name in ("finished", "errored"))
+    assert finished == ["FINISHED", "2", "10", "loss=0.3", "checkpoint_000009"]
+    assert errored == ["ERRORED", "1", "4", "loss=0.35", "checkpoint_000003"]
+    assert all(re.fullmatch(r"\d+\.\d%", rows[name][5]) for name in ("finished", "errored", "killed"))
     assert rows["killed"][1:3] == ["ABORTED", "1"], "RUNNING in run.json, but its driver is gone"
-    assert rows["killed"][3] in ("4", "5") and rows["killed"][5] == "checkpoint_000003"
-    assert rows["damaged"][5] == "checkpoint_000009"
+    assert rows["killed"][3] in ("4", "5") and rows["killed"][6] == "checkpoint_000003"
+    assert rows["damaged"][6] == "checkpoint_000009"
 
     by_name = {r["name"]: r for r in json.loads(cli("ls", results["storage"], "--json").stdout)}
     assert sorted(by_name) == RUNS
@@ -208,7 +210,17 @@ def test_plot_writes_a_png_with_the_chosen_metrics(results, tmp_path):
     out = cli("plot", run_path(results, "finished"), "--metric", "accuracy")
     assert out.returncode == 2
     assert out.stderr.splitlines() == ["unbroken: error: run 'finished' has no metric 'accuracy'.",
-                                       "hint: choose from loss, acc, time_total_s, time_this_iter_s"]
+                                       "hint: choose from loss, acc, time_total_s, time_this_iter_s, "
+                                       "time_checkpoint_s"]
+
+    # --goodput: the time as coloured bands under the rows; the productive green is drawn.
+    png = str(tmp_path / "finished-goodput.png")
+    out = cli("plot", run_path(results, "finished"), "--goodput", "-o", png)
+    assert out.returncode == 0 and out.stdout.strip() == f"wrote {png}: where the run's time went", out.stderr
+    pixels = matplotlib.image.imread(png)[:, :, :3]
+    green = ((abs(pixels[:, :, 0] - 0x2c / 255) < 0.02) & (abs(pixels[:, :, 1] - 0xa0 / 255) < 0.02)).mean()
+    assert green > 0.005, f"{green:.2%} of the pixels are the productive band's"
+    assert cli("plot", run_path(results, "finished"), "--goodput", "--metric", "loss").returncode == 2
 
 
 def test_errors_are_one_line_and_a_hint_with_meaningful_exit_codes(results, tmp_path):

@@ -38,7 +38,7 @@ from unbroken.errors import (
     UnknownMetricError,
 )
 from unbroken.observe.progress import ensure_log_output, format_value, is_terminal
-from unbroken.run.callbacks import numeric_metrics
+from unbroken.run.callbacks import TIMINGS, numeric_metrics
 from unbroken.store import history, sweep_manifest
 from unbroken.store import manifest as mf
 from unbroken.store.storage import Storage
@@ -460,7 +460,7 @@ def _metric(row: dict[str, Any] | None, name: str | None) -> str:
     if name:
         return f"{name}={format_value(row[name])}" if name in row else "-"
     for key in numeric_metrics(row):
-        if key not in ("time_total_s", "time_this_iter_s"):
+        if key not in TIMINGS:
             return f"{key}={format_value(row[key])}"
     return "-"
 

@@ -12,9 +12,9 @@ LABELS = {gp.PRODUCTIVE: "productive", gp.CHECKPOINT: "checkpoint stall", gp.STA
 
 
 def cell(time: dict[str, Any] | None) -> str:
-    """The GOODPUT column of `ls`: '87.1 %', or '-' before the first row."""
+    """The GOODPUT column of `ls`: '87.1%', or '-' before the first row."""
     figure = (time or {}).get("goodput")
-    return "-" if figure is None else f"{100 * figure:.1f} %"
+    return "-" if figure is None else f"{100 * figure:.1f}%"
 
 
 def lines(time: dict[str, Any] | None) -> list[str]:

@@ -12,19 +12,17 @@ from typing import Any
 from unbroken.cli.inspection import run_name
 from unbroken.errors import UnknownMetricError
 from unbroken.run import goodput as gp
-from unbroken.run.callbacks import numeric_metrics
+from unbroken.run.callbacks import TIMINGS, numeric_metrics
 from unbroken.store import history
 from unbroken.store import manifest as mf
 from unbroken.store.lease import live_holder
 from unbroken.store.storage import Storage
 
-TIMING = ("time_total_s", "time_this_iter_s")
-
 
 def metric_names(rows: list[dict[str, Any]]) -> list[str]:
     """Numeric metrics in first-seen order, measured ones before the automatic timings."""
     names = list(dict.fromkeys(k for row in rows for k in numeric_metrics(row)))
-    return [n for n in names if n not in TIMING] + [n for n in names if n in TIMING]
+    return [n for n in names if n not in TIMINGS] + [n for n in names if n in TIMINGS]
 
 
 def plot_run(path: str, out: str | os.PathLike, metrics: list[str] | None = None,
@@ -41,7 +39,7 @@ def plot_run(path: str, out: str | os.PathLike, metrics: list[str] | None = None
     if unknown:
         raise UnknownMetricError(f"run {run_name(storage)!r} has no metric {', '.join(map(repr, unknown))}. "
                          f"Hint: choose from {', '.join(available)}")
-    chosen = list(metrics or [m for m in available if m not in TIMING] or available)
+    chosen = list(metrics or [m for m in available if m not in TIMINGS] or available)
     plt = _pyplot()
     from matplotlib.transforms import blended_transform_factory
 
@@ -119,8 +117,7 @@ def plot_goodput(path: str, out: str | os.PathLike, storage_filesystem: Any = No
     storage = Storage.from_url(path, storage_filesystem)
     manifest = mf.load(storage)
     rows = history.read_rows(storage)
-    attempts = [dataclasses.asdict(a) for a in manifest.attempts]
-    time = gp.of_run(attempts, rows)
+    time = gp.of_run([dataclasses.asdict(a) for a in manifest.attempts], rows)
     if not time.segments:
         raise ValueError(f"run {storage.url()!r} has no iteration recorded yet: nothing to draw")
     plt = _pyplot()

@@ -35,7 +35,9 @@ _END_STATUS = {FINISHED: "FINISHED", INTERRUPTED: "KILLED"}
 
 
 class MLflowLoggerCallback(Callback):
-    """Logs a run's metrics (and its train_loop_config as params) to MLflow.
+    """Logs a run's metrics (and its train_loop_config as params) to MLflow; at each
+    attempt's end, where the run's time went so far (`goodput`, `time/<kind>_s`:
+    docs/guarantees.md#where-the-time-went) at the last step it logged.
 
     Args:
         tracking_uri: the MLflow tracking URI; default: MLflow's own (MLFLOW_TRACKING_URI).
@@ -74,10 +76,11 @@ class MLflowLoggerCallback(Callback):
         self._run_id: str | None = None
         self._pending: list[dict[str, Any]] = []
         self._next_flush = 0.0
+        self._last_step = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_client", "_run_id", "_pending", "_next_flush"):
+        for key in ("_client", "_run_id", "_pending", "_next_flush", "_last_step"):
             state.pop(key, None)
         return state
 
@@ -114,6 +117,12 @@ class MLflowLoggerCallback(Callback):
         if status == FINISHED or not self.wait_for_checkpoint:
             self._flush(run)
         self._pending = []
+        if self._run_id is not None:  # where the run's time went so far, at its last step
+            from mlflow.entities import Metric
+
+            step, now = self._last_step, int(time.time() * 1000)
+            self._client.log_batch(self._run_id, metrics=[
+                Metric(key, value, now, step) for key, value in run.time_spent().scalars().items()])
 
     def on_run_end(self, run: RunInfo, status: str) -> None:
         if self._run_id is not None:
@@ -128,6 +137,7 @@ class MLflowLoggerCallback(Callback):
         rows, self._pending = self._pending, []
         if self._run_id is None:
             self._start(run)
+        self._last_step = int(rows[-1]["training_iteration"])
         metrics = [Metric(key, value, int(row.get("timestamp", time.time()) * 1000),
                           int(row["training_iteration"]))
                    for row in rows for key, value in numeric_metrics(row).items()]

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from unbroken.core.config import RunConfig
-from unbroken.run.callbacks import Callback, RunInfo, numeric_metrics
+from unbroken.run.callbacks import TIMINGS, Callback, RunInfo, numeric_metrics
 from unbroken.store.checkpoint import Checkpoint
 
 log = logging.getLogger("unbroken")
@@ -88,7 +88,7 @@ class ProgressReporter(Callback):
     def _summary(self) -> list[str]:
         row = self._row or {}
         shown = [(k, v) for k, v in numeric_metrics(row).items()
-                 if k not in ("time_total_s", "time_this_iter_s")]
+                 if k not in TIMINGS]
         parts = [f"{k}={format_value(v)}" for k, v in shown[:MAX_METRICS]]
         if self._checkpoint:
             parts.append(f"ckpt={self._checkpoint.removeprefix('checkpoint_').lstrip('0') or '0'}")

@@ -28,7 +28,8 @@ FLUSH_EVERY_S = 2.0
 
 class TensorBoardLoggerCallback(Callback):
     """Logs every numeric metric of every report round as a TensorBoard scalar, with
-    `training_iteration` as the step.
+    `training_iteration` as the step; at each attempt's end, where the run's time went so
+    far (`goodput`, `time/<kind>_s`: docs/guarantees.md#where-the-time-went) at its last step.
 
     Args:
         logdir: where the event files go. Defaults to `<run directory>/tensorboard`, which
@@ -45,6 +46,7 @@ class TensorBoardLoggerCallback(Callback):
         self._file: Any = None
         self._records: Any = None
         self._purge_step = 1
+        self._last_step = 0
         self._next_flush = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -70,8 +72,9 @@ class TensorBoardLoggerCallback(Callback):
         if self._file is None:
             self._open(run, event)
         values = [summary.Value(tag=k, simple_value=v) for k, v in numeric_metrics(metrics).items()]
+        self._last_step = int(metrics["training_iteration"])
         self._write(event(wall_time=metrics.get("timestamp", time.time()),
-                          step=int(metrics["training_iteration"]), summary=summary(value=values)))
+                          step=self._last_step, summary=summary(value=values)))
         now = time.monotonic()
         if now >= self._next_flush:
             self._file.flush()
@@ -82,6 +85,10 @@ class TensorBoardLoggerCallback(Callback):
             self._file.flush()
 
     def on_attempt_end(self, run: RunInfo, status: str, error: BaseException | None) -> None:
+        if self._file is not None:  # where the run's time went so far, at the attempt's last step
+            event, summary = _protos()
+            values = [summary.Value(tag=k, simple_value=v) for k, v in run.time_spent().scalars().items()]
+            self._write(event(wall_time=time.time(), step=self._last_step, summary=summary(value=values)))
         self._close()
 
     def on_run_end(self, run: RunInfo, status: str) -> None:

@@ -11,13 +11,17 @@ they depend on it, not the other way round.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from unbroken.run import goodput
+from unbroken.run.goodput import Goodput
 from unbroken.run.hook_thread import HookThread
+from unbroken.store import history
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.manifest import META_DIR
 
@@ -30,6 +34,9 @@ log = logging.getLogger("unbroken")
 
 STATE_DIR = f"{META_DIR}/callbacks"
 # Fields every row carries that are bookkeeping rather than measurements.
+# The timings every row (time_checkpoint_s: a row that saved) carries: plotted and logged, but
+# not what a progress line or a listing shows as the run's metric.
+TIMINGS = ("time_total_s", "time_this_iter_s", "time_checkpoint_s")
 BOOKKEEPING = frozenset({"training_iteration", "iterations_since_restore", "time_since_restore",
                          "timestamp", "attempt", "checkpoint_dir_name", "world_size"})
 
@@ -106,6 +113,11 @@ class RunInfo:
     def config(self) -> Any:
         """The run's train_loop_config as saved (objects shown as {"__object__": type name})."""
         return self._run.manifest.identity.get("train_loop_config")
+
+    def time_spent(self) -> Goodput:
+        """Where the run's time went so far (`unbroken.run.goodput`), read from its files."""
+        attempts = [dataclasses.asdict(a) for a in self._run.manifest.attempts]
+        return goodput.of_run(attempts, history.read_rows(self._run.storage))
 
     def load_state(self, key: str) -> Any:
         """The JSON value saved under `key` by `save_state`, or None."""

@@ -31,6 +31,7 @@ productive / wall.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from typing import Any
 
 from unbroken.store import history
 from unbroken.store import manifest as mf
+from unbroken.store.storage import Storage
 
 PRODUCTIVE, CHECKPOINT, STARTUP, RECOVERY = "productive", "checkpoint", "startup", "recovery"
 REDONE, WAITING, OTHER = "redone", "waiting", "other"
@@ -86,6 +88,14 @@ class Goodput:
         wall = self.wall_s
         return self.seconds[PRODUCTIVE] / wall if wall > 0 else None
 
+    def scalars(self) -> dict[str, float]:
+        """The figures a metrics logger records: `goodput` and `time/<kind>_s`, and `time/wall_s`."""
+        out = {f"time/{kind}_s": seconds for kind, seconds in self.seconds.items()}
+        out["time/wall_s"] = self.wall_s
+        if self.goodput is not None:
+            out["goodput"] = self.goodput
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"goodput": self.goodput, "wall_s": self.wall_s, "between_fits_s": self.between_fits_s,
                 "seconds": self.seconds,
@@ -97,6 +107,12 @@ def _total(segments: list[Segment]) -> dict[str, float]:
     for s in segments:
         out[s.kind] += s.end - s.start
     return out
+
+
+def of_storage(storage: Storage) -> Goodput:
+    """The breakdown of the run directory `storage`, read from its files now."""
+    manifest = mf.load(storage)
+    return of_run([dataclasses.asdict(a) for a in manifest.attempts], history.read_rows(storage))
 
 
 def of_run(attempts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Goodput:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.errors import RunNotFoundError, TornCheckpointError, TrainingFailedError, UnknownMetricError
+from unbroken.run import goodput
+from unbroken.run.goodput import Goodput
 from unbroken.store import commit, history, return_value, validation_record
 from unbroken.store import manifest as mf
 from unbroken.store.checkpoint import Checkpoint
@@ -49,6 +51,11 @@ class Result:
             storage = Storage.from_url(self.path, self._filesystem)
             self._rows = history.timeline(history.read_rows(storage)) if mf.is_run_dir(storage) else []
         return self._rows
+
+    def time_spent(self) -> Goodput:
+        """Where the run's time went, read from its directory now: `.goodput` (productive /
+        wall), `.seconds` by kind, `.by_attempt` (docs/guarantees.md#where-the-time-went)."""
+        return goodput.of_storage(Storage.from_url(self.path, self._filesystem))
 
     @property
     def return_value(self) -> Any:

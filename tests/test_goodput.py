@@ -1,0 +1,96 @@
+"""Where a run's time went (unbroken.run.goodput): the breakdown of made-up records, exact,
+and of real runs with known step times, save stalls and failures, within a stated tolerance."""
+
+import time
+
+import pytest
+
+from goodput_loops import timed_loop
+from unbroken.run import goodput as gp
+from unbroken.train import FailureConfig, Result, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+
+
+def row(attempt: int, iteration: int, t: float, took: float, stall: float | None = None) -> dict:
+    out = {"attempt": attempt, "training_iteration": iteration, "timestamp": t, "time_this_iter_s": took}
+    if stall is not None:
+        out["time_checkpoint_s"] = stall
+    return out
+
+
+def test_a_failed_and_restarted_fit_is_cut_into_each_kind_exactly():
+    # fit() at 100; attempt 1 starts at 102, its first row 1.5 s later (1 s of work: the median
+    # step), then a row a second, a 0.25 s save in row 4; it fails after row 5 and ends at 108.
+    # Attempt 2 (the same fit()) waited 0.5 s for capacity, began at 109 from iteration 4, so
+    # row 5 of attempt 1 was redone; it ends 0.5 s after its last row.
+    attempts = [
+        {"number": 1, "started_at": 102.0, "ended_at": 108.0, "status": "ERRORED", "fit_started_at": 100.0},
+        {"number": 2, "started_at": 109.0, "ended_at": 114.0, "status": "FINISHED", "fit_started_at": 100.0,
+         "elastic": {"reason": "rank lost", "capacity": 2, "previous": 2, "waited_s": 0.5}},
+    ]
+    rows = [row(1, 1, 103.5, 1.5), row(1, 2, 104.5, 1.0), row(1, 3, 105.5, 1.0), row(1, 4, 106.5, 1.0, 0.25),
+            row(1, 5, 107.5, 1.0),
+            row(2, 5, 110.5, 1.5), row(2, 6, 111.5, 1.0), row(2, 7, 112.5, 1.0), row(2, 8, 113.5, 1.0)]
+    time_spent = gp.of_run(attempts, rows)
+    assert time_spent.seconds == pytest.approx({
+        gp.PRODUCTIVE: 3.75 + 4.0, gp.CHECKPOINT: 0.25, gp.STARTUP: 2.0 + 0.5, gp.REDONE: 1.0,
+        gp.RECOVERY: 0.5 + 0.5 + 0.5, gp.WAITING: 0.5, gp.OTHER: 0.5})
+    assert time_spent.wall_s == pytest.approx(14.0) and time_spent.goodput == pytest.approx(7.75 / 14)
+    assert time_spent.by_attempt[2][gp.RECOVERY] == pytest.approx(1.0), "the gap and the set-up before row 5"
+    segments = time_spent.segments
+    assert all(a.end == pytest.approx(b.start) for a, b in zip(segments, segments[1:], strict=False)), \
+        "the segments tile the wall time, in order"
+
+
+def test_a_killed_driver_s_attempt_ends_at_its_last_row_and_the_time_without_a_driver_is_apart():
+    # The driver was SIGKILLed after row 3 (its attempt never recorded an end); a new fit() at
+    # 200 started attempt 2 from iteration 2.
+    attempts = [
+        {"number": 1, "started_at": 10.0, "ended_at": None, "status": "ABORTED", "fit_started_at": 9.0},
+        {"number": 2, "started_at": 201.0, "ended_at": 204.0, "status": "FINISHED", "fit_started_at": 200.0},
+    ]
+    rows = [row(1, 1, 11.0, 1.0), row(1, 2, 12.0, 1.0), row(1, 3, 13.0, 1.0),
+            row(2, 3, 202.0, 1.0), row(2, 4, 203.0, 1.0)]
+    time_spent = gp.of_run(attempts, rows)
+    assert time_spent.between_fits_s == pytest.approx(200.0 - 13.0)
+    assert time_spent.wall_s == pytest.approx((13.0 - 9.0) + (204.0 - 200.0))
+    assert time_spent.seconds[gp.REDONE] == pytest.approx(1.0), "row 3 of the killed attempt"
+    assert time_spent.seconds[gp.STARTUP] == pytest.approx(1.0 + 1.0)
+    assert time_spent.seconds[gp.PRODUCTIVE] == pytest.approx(2.0 + 2.0)
+
+
+def test_runs_written_before_fits_were_recorded_still_add_up():
+    attempts = [{"number": 1, "started_at": 0.0, "ended_at": 3.0, "status": "ERRORED"},
+                {"number": 2, "started_at": 4.0, "ended_at": 6.0, "status": "FINISHED"}]
+    rows = [row(1, 1, 1.0, 1.0), row(1, 2, 2.0, 1.0), row(2, 2, 5.0, 1.0)]
+    time_spent = gp.of_run(attempts, rows)
+    assert time_spent.wall_s == pytest.approx(6.0) and time_spent.between_fits_s == 0
+    assert time_spent.seconds[gp.RECOVERY] == pytest.approx(1.0 + 1.0)
+    assert gp.of_run([], []).goodput is None
+
+
+# A real run on 2 workers: 12 steps of 0.1 s, a checkpoint every 4 whose save blocks 0.3 s,
+# rank 1 raising before report 6 of attempt 1 (attempt 2 resumes from checkpoint 4, so row 5
+# is redone). Tolerance: each figure within what the process adds to the injected time.
+STEP_S, SAVE_S, TOLERANCE_S = 0.1, 0.3, 0.35
+
+
+def test_a_real_run_s_breakdown_matches_the_injected_steps_saves_and_failure(tmp_path):
+    config = {"iterations": 12, "step_s": STEP_S, "every": 4, "save_s": SAVE_S, "fail_at": 6}
+    began = time.time()
+    result = TorchTrainer(timed_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="timed", storage_path=str(tmp_path), verbose=0,
+                                               failure_config=FailureConfig(max_failures=1))).fit()
+    wall = time.time() - began
+    spent = Result.from_path(result.path).time_spent()
+    seconds = spent.seconds
+    assert sum(seconds.values()) == pytest.approx(spent.wall_s, abs=1e-6)
+    assert spent.wall_s <= wall and spent.wall_s > wall - 0.5, "from fit()'s start to its end"
+    assert 12 * STEP_S <= seconds[gp.PRODUCTIVE] <= 12 * STEP_S + TOLERANCE_S, seconds
+    assert 3 * SAVE_S <= seconds[gp.CHECKPOINT] <= 3 * SAVE_S + TOLERANCE_S, "checkpoints 4, 8 and 12"
+    assert STEP_S <= seconds[gp.REDONE] <= STEP_S + TOLERANCE_S / 2, "row 5 of attempt 1"
+    assert seconds[gp.RECOVERY] > 0 and seconds[gp.STARTUP] > 0 and seconds[gp.WAITING] == 0
+    assert spent.goodput == pytest.approx(seconds[gp.PRODUCTIVE] / spent.wall_s)
+    checkpoints = [r for r in result.rows if r.get("checkpoint_dir_name")]
+    assert [r["training_iteration"] for r in checkpoints] == [4, 8, 12]
+    assert all(SAVE_S <= r["time_checkpoint_s"] < SAVE_S + 0.2 for r in checkpoints), checkpoints
