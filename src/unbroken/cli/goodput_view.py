@@ -28,7 +28,7 @@ def lines(time: dict[str, Any] | None) -> list[str]:
     for kind in gp.KINDS:
         seconds = time["seconds"][kind]
         if seconds >= 0.005 or kind == gp.PRODUCTIVE:
-            out.append(f"  {LABELS[kind]:<21} {_seconds(seconds):>10}  {100 * seconds / wall:5.1f} %")
+            out.append(f"  {LABELS[kind]:<21} {_seconds(seconds):>10}  {100 * seconds / wall:5.1f}%")
     if len(time["by_attempt"]) > 1:
         for number, kinds in time["by_attempt"].items():
             spent = ", ".join(f"{LABELS[k]} {_seconds(v)}" for k, v in kinds.items() if v >= 0.005)
