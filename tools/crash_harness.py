@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -82,7 +83,9 @@ import torch._dynamo  # noqa: F401  (DDP imports it; forked drivers and workers 
 
 from unbroken import train
 from unbroken.errors import TornCheckpointError, TrainingFailedError
+from unbroken.run import goodput
 from unbroken.store import commit, validation_record
+from unbroken.store import manifest as manifest_mod
 from unbroken.store.history import RESULT_JSON, read_rows, timeline
 from unbroken.store.storage import Storage
 from unbroken.train import (
@@ -501,6 +504,7 @@ class Harness:
                 self.check_reported_round(path, before, fault, attempts_before,
                                           f"trial {index} launch {launch}")
             if result == "finished":
+                self.check_time(path, launch + 1, f"trial {index}")
                 self.check_finished(path, index)
                 return
         self.violations.append(f"trial {index}: the run did not finish after {self.max_kills + 3} launches")
@@ -681,6 +685,39 @@ class Harness:
             self.check_validations(path, where)
         Storage.from_url(path.rsplit("/", 1)[0]).remove("")
 
+
+    def check_time(self, path: str, launches: int, where: str) -> None:
+        """Where the finished run's time went adds up after every kill: each fit() (at most
+        one per launch) is cut, without gaps or overlaps, from its start to its last attempt's
+        end (a killed driver's attempt ends at its last row); each kept row is productive
+        once, each dropped row redone once; nothing is negative."""
+        storage = Storage.from_url(path)
+        attempts = [dataclasses.asdict(a) for a in manifest_mod.load(storage).attempts]
+        rows = read_rows(storage)
+        spent = goodput.of_run(attempts, rows)
+        fits: dict[float, float] = {}
+        for a in attempts:
+            mine = [r["timestamp"] for r in rows if r.get("attempt") == a["number"]]
+            ended = a["ended_at"] if a["status"] != "ABORTED" else None
+            end = max([a["started_at"], *mine] + ([ended] if ended else []))
+            fits[a["fit_started_at"]] = max(fits.get(a["fit_started_at"], end), end)
+        wall = sum(end - start for start, end in fits.items())
+        kinds = Counter(s.kind for s in spent.segments)
+        kept = len(timeline(rows))
+        gaps = [b.start - a.end for a, b in zip(spent.segments, spent.segments[1:], strict=False)]
+        problems = []
+        if not 1 <= len(fits) <= launches:
+            problems.append(f"{len(fits)} fit() starts recorded in {launches} launches")
+        if abs(spent.wall_s - wall) > 1e-6:
+            problems.append(f"wall time {spent.wall_s:.3f} s, its fit() spans add up to {wall:.3f} s")
+        if kinds[goodput.PRODUCTIVE] != kept or kinds[goodput.REDONE] != len(rows) - kept:
+            problems.append(f"{kinds[goodput.PRODUCTIVE]} productive and {kinds[goodput.REDONE]} redone "
+                            f"stretches for {kept} kept and {len(rows) - kept} dropped rows")
+        if any(g < -1e-9 for g in gaps) or sum(g > 1e-9 for g in gaps) > len(fits) - 1:
+            problems.append("the stretches overlap, or leave a gap within a fit()")
+        if problems:
+            self.violations.append(f"{where}: where the time went: {'; '.join(problems)}")
+        self.counts["time checked"] += 1
 
     def check_validations(self, path: str, where: str) -> None:
         """Every kept checkpoint of a finished run was validated, on its own intact files (or its

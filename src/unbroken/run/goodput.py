@@ -149,7 +149,8 @@ def of_run(attempts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Goodpu
             if i == 0:  # the attempt's set-up runs before its first step: not work
                 work_from = end - stall - min(step, end - stall - t)
                 _add(out, t, work_from, lead, a)
-            _add(out, work_from, end - stall, PRODUCTIVE if id(row) in kept else REDONE, a)
+            # Kept even when empty (a save that took the whole interval): one per row.
+            _add(out, work_from, end - stall, PRODUCTIVE if id(row) in kept else REDONE, a, empty=True)
             _add(out, end - stall, end, CHECKPOINT, a)
             t = end
         ended = a.get("ended_at") if a.get("status") != mf.ABORTED else None
@@ -159,8 +160,9 @@ def of_run(attempts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Goodpu
     return out
 
 
-def _add(out: Goodput, start: float, end: float, kind: str, attempt: dict[str, Any]) -> None:
-    if end > start:
+def _add(out: Goodput, start: float, end: float, kind: str, attempt: dict[str, Any],
+         empty: bool = False) -> None:
+    if end > start or (empty and end == start):
         out.segments.append(Segment(start, end, kind, attempt["number"]))
 
 
