@@ -24,7 +24,8 @@ class SlowToSave:
 
 def timed_loop(config: dict) -> None:
     """`iterations` steps of `step_s` each, a checkpoint every `every` whose save takes
-    `save_s`; rank 1 raises before its report `fail_at` in attempt 1."""
+    `save_s` (`every="auto"`: when the driver asks); rank 1 raises before its report
+    `fail_at` in attempt 1."""
     model = torch.nn.Linear(2, 1)
     state = TrainState(model=model, slow=SlowToSave(config["save_s"]), step=0)
     state.restore()
@@ -34,4 +35,5 @@ def timed_loop(config: dict) -> None:
         state.step += 1
         if state.step == config["fail_at"] and context.get_world_rank() == 1 and context.get_attempt() == 1:
             raise RuntimeError(f"injected failure at iteration {state.step}")
-        state.report({"step": state.step}, checkpoint=state.step % config["every"] == 0)
+        every = config["every"]
+        state.report({"step": state.step}, checkpoint=every if every == "auto" else state.step % every == 0)

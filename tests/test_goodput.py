@@ -1,13 +1,19 @@
 """Where a run's time went (unbroken.run.goodput): the breakdown of made-up records, exact,
 and of real runs with known step times, save stalls and failures, within a stated tolerance."""
 
+import functools
+import re
+import statistics
+import subprocess
+import sys
 import time
 
 import pytest
 
 from goodput_loops import timed_loop
+from unbroken.run import checkpoint_advice
 from unbroken.run import goodput as gp
-from unbroken.train import FailureConfig, Result, RunConfig, ScalingConfig
+from unbroken.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
 
@@ -94,3 +100,43 @@ def test_a_real_run_s_breakdown_matches_the_injected_steps_saves_and_failure(tmp
     checkpoints = [r for r in result.rows if r.get("checkpoint_dir_name")]
     assert [r["training_iteration"] for r in checkpoints] == [4, 8, 12]
     assert all(SAVE_S <= r["time_checkpoint_s"] < SAVE_S + 0.2 for r in checkpoints), checkpoints
+
+
+def test_checkpoint_auto_saves_at_the_young_daly_interval_and_show_advises_it(tmp_path):
+    # A save costs 0.2 s, a step 0.05 s, failures are expected every 2 s: Young's interval is
+    # sqrt(2 * 0.2 * 2) = 0.89 s of training, about 18 steps. The first auto report saves to
+    # measure the cost; after it, each save comes once that much training went by.
+    config = {"iterations": 60, "step_s": 0.05, "every": "auto", "save_s": 0.2, "fail_at": 0}
+    result = TorchTrainer(timed_loop, train_loop_config=config, run_config=RunConfig(
+        name="auto", storage_path=str(tmp_path), verbose=0,
+        checkpoint_config=CheckpointConfig(mean_time_between_failures_s=2.0))).fit()
+    rows = result.rows
+    saves = [i for i, r in enumerate(rows) if r.get("checkpoint_dir_name")]
+    assert saves[0] == 1, "the report after the first one saves, to measure a save"
+    cost = statistics.median(rows[i]["time_checkpoint_s"] for i in saves)
+    interval = checkpoint_advice.young_interval(cost, 2.0)
+    assert 0.85 <= interval <= 1.2
+    for a, b in zip(saves, saves[1:], strict=False):
+        trained = sum(r["time_this_iter_s"] - r.get("time_checkpoint_s", 0.0) for r in rows[a + 1:b + 1])
+        assert interval - 0.1 <= trained <= interval + 0.25, (a, b, trained, interval)
+    assert len(saves) >= 3
+
+    out = subprocess.run([sys.executable, "-m", "unbroken", "show", result.path, "--mtbf", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    advised = re.search(r"advised interval \(Young/Daly\): every ([\d.]+) s of training", out)
+    assert advised and float(advised.group(1)) == pytest.approx(interval, abs=0.15), out
+    assert "MTBF 2.00 s (given)" in out
+
+
+def test_the_advice_follows_young_and_the_expected_goodput_peaks_there():
+    assert checkpoint_advice.young_interval(2.0, 3600.0) == pytest.approx(120.0)
+    best = checkpoint_advice.young_interval(1.0, 1000.0)
+    at = functools.partial(checkpoint_advice.expected_goodput, cost_s=1.0, mtbf_s=1000.0, recovery_s=5.0)
+    assert at(best) > at(best / 3) and at(best) > at(best * 3)
+    attempts = [{"number": 1, "started_at": 0.0, "ended_at": 10.0, "status": "ERRORED"},
+                {"number": 2, "started_at": 10.0, "ended_at": 20.0, "status": "FINISHED"}]
+    rows = [row(1, 1, 1.0, 1.0), row(1, 2, 2.0, 1.0, 0.5), row(2, 2, 11.0, 1.0), row(2, 3, 12.0, 1.0, 0.5)]
+    advice = checkpoint_advice.advise(attempts, rows, gp.of_run(attempts, rows))
+    assert (advice.failures, advice.given, advice.cost_s) == (1, False, 0.5)
+    assert advice.mtbf_s == pytest.approx(20.0), "the wall time per failure seen"
+    assert checkpoint_advice.advise(attempts, rows[:1], gp.of_run(attempts, rows[:1])) is None, "no save yet"

@@ -83,9 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print JSON for scripts")
     ls.set_defaults(handler=cmd_ls)
 
-    show = commands.add_parser("show", help="show one run: attempts, checkpoints, config, last metrics")
+    show = commands.add_parser("show", help="show one run: attempts, time spent, checkpoints, config, "
+                                              "last metrics")
     show.add_argument("path", metavar="PATH", help="the run directory, <storage_path>/<name>")
     show.add_argument("--json", action="store_true", help="print JSON for scripts")
+    show.add_argument("--mtbf", type=_seconds, metavar="SECONDS",
+                      help="the mean time between failures to advise a checkpoint interval for "
+                           "(default: the run's own failure rate, or an hour before its first failure)")
     show.set_defaults(handler=cmd_show)
 
     verify = commands.add_parser("verify", help="check every checkpoint's files against its marker",
@@ -133,6 +137,16 @@ def _max_failures(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 # -- commands -----------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
     from unbroken.core.config import RunConfig
@@ -166,7 +180,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         summary = sweep_view.sweep_summary(args.path)
         _print_json(summary) if args.json else sweep_view.print_sweep(summary)
         return EXIT_OK
-    s = inspection.summarize(args.path)
+    s = inspection.summarize(args.path, mtbf_s=args.mtbf)
     if args.json:
         _print_json(s.to_json())
         return EXIT_OK

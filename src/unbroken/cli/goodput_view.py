@@ -14,7 +14,7 @@ LABELS = {gp.PRODUCTIVE: "productive", gp.CHECKPOINT: "checkpoint stall", gp.STA
 def cell(time: dict[str, Any] | None) -> str:
     """The GOODPUT column of `ls`: '87.1%', or '-' before the first row."""
     figure = (time or {}).get("goodput")
-    return "-" if figure is None else f"{100 * figure:.1f}%"
+    return "-" if figure is None else _percent(figure)
 
 
 def lines(time: dict[str, Any] | None) -> list[str]:
@@ -33,7 +33,28 @@ def lines(time: dict[str, Any] | None) -> list[str]:
         for number, kinds in time["by_attempt"].items():
             spent = ", ".join(f"{LABELS[k]} {_seconds(v)}" for k, v in kinds.items() if v >= 0.005)
             out.append(f"  attempt {number}: {spent}")
-    return out
+    return out + advice_lines(time.get("advice"))
+
+
+def advice_lines(advice: dict[str, Any] | None) -> list[str]:
+    """The checkpoint interval now and the one advised (docs/guarantees.md#how-often-to-checkpoint)."""
+    if advice is None:
+        return []
+    failures = advice["failures"]
+    seen = ("given" if advice["given"] else f"{failures} failure{'s' if failures != 1 else ''} seen"
+            if failures else "assumed: no failure seen")
+    now = advice["interval_s"]
+    return [f"  checkpoints: a save blocks {_seconds(advice['cost_s'])}, every "
+            + (f"{_seconds(now)} of training" if now is not None else "? (one save so far)")
+            + f"; MTBF {_seconds(advice['mtbf_s'])} ({seen})"
+            + (f", {_seconds(advice['recovery_s'])} to recover from each" if failures else ""),
+            f"  advised interval (Young/Daly): every {_seconds(advice['advised_s'])} of training; "
+            f"expected goodput {_percent(advice['expected_now']) if now is not None else '?'} now, "
+            f"{_percent(advice['expected_advised'])} advised"]
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.1f}%"
 
 
 def _seconds(s: float) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.errors import RunNotFoundError, TornCheckpointError, UnbrokenError
-from unbroken.run import goodput
+from unbroken.run import checkpoint_advice, goodput
 from unbroken.run.restore import PARAMS_JSON
 from unbroken.store import commit, history, validation_record
 from unbroken.store import manifest as mf
@@ -168,8 +168,10 @@ def _sweep_summary(storage: Storage, storage_filesystem: Any) -> RunSummary:
                       trials=counts)
 
 
-def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) -> RunSummary:
-    """Status, attempts, last metrics, checkpoints and arguments of the run at `path`.
+def summarize(path: str, storage_filesystem: Any = None, brief: bool = False,
+              mtbf_s: float | None = None) -> RunSummary:
+    """Status, attempts, last metrics, checkpoints, arguments and time spent of the run at
+    `path`, with the checkpoint interval advised for `mtbf_s` (default: the run's own).
 
     `brief` (for listings) finds the latest readable checkpoint instead of checking each
     one. Checkpoint files are checked by size only; `verify_run` checks hashes.
@@ -193,7 +195,7 @@ def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) ->
         params=manifest.params, pickled_params=manifest.pickled_params,
         config=manifest.identity["train_loop_config"] if "train_loop_config" in manifest.identity
         else _read_json(storage, PARAMS_JSON),
-        driver=driver, time=goodput.of_run(attempts, history.read_rows(storage)).to_json())
+        driver=driver, time=_time(attempts, history.read_rows(storage), mtbf_s))
     if brief:
         names, _ = commit.scan(storage)
         for name in reversed(names):
@@ -208,6 +210,17 @@ def summarize(path: str, storage_filesystem: Any = None, brief: bool = False) ->
         committed = [c.name for c in summary.checkpoints if c.state == COMMITTED]
         summary.latest_checkpoint = committed[-1] if committed else None
     return summary
+
+
+def _time(attempts: list[dict[str, Any]], rows: list[dict[str, Any]], mtbf_s: float | None) -> dict[str, Any]:
+    """Where the run's time went, and the checkpoint interval advised (None before a save)."""
+    spent = goodput.of_run(attempts, rows)
+    advice = checkpoint_advice.advise(attempts, rows, spent, mtbf_s)
+    out = spent.to_json()
+    out["advice"] = None if advice is None else {
+        **dataclasses.asdict(advice), "expected_now": advice.expected(advice.interval_s or 0.0),
+        "expected_advised": advice.expected(advice.advised_s)}
+    return out
 
 
 def run_name(storage: Storage) -> str:

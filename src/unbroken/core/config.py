@@ -156,15 +156,23 @@ class FailureConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Which committed checkpoints to keep."""
+    """Which committed checkpoints to keep (`num_to_keep`, ranked by
+    `checkpoint_score_attribute` in `checkpoint_score_order`, as in Ray), and
+    `mean_time_between_failures_s`: the MTBF that `TrainState.report(..., checkpoint="auto")`
+    and `unbroken show`'s advice assume until the run has failed (then: its own rate)."""
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: Literal["max", "min"] = "max"
+    mean_time_between_failures_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None and self.num_to_keep < 1:
             raise ValueError("CheckpointConfig.num_to_keep must be None or >= 1")
+        if self.mean_time_between_failures_s is not None and not self.mean_time_between_failures_s > 0:
+            raise ValueError(f"CheckpointConfig.mean_time_between_failures_s must be > 0 seconds, got "
+                             f"{self.mean_time_between_failures_s!r}. Hint: leave it None to assume an "
+                             "hour until the run has failed")
         if self.checkpoint_score_order not in ("max", "min"):
             raise ValueError("CheckpointConfig.checkpoint_score_order must be 'max' or 'min'")
 

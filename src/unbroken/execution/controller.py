@@ -28,9 +28,10 @@ from unbroken.errors import (
 )
 from unbroken.execution import controller_state as states
 from unbroken.execution import in_place
+from unbroken.execution.checkpoint_cadence import Cadence
 from unbroken.execution.collective_calls import CollectiveCalls
 from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
-from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
+from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory, send_each
 from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
 from unbroken.execution.in_place import InPlacePlan
 from unbroken.execution.jit_coordinator import Coordinator
@@ -115,6 +116,7 @@ class Controller:
         self._rejoin: tuple[WorkerGroup, InPlacePlan] | None = None  # ... for the next attempt
         self._placements: list[Placement] = []  # the attempt's ranks, by rank
         self._failures: list[tuple[int, BaseException]] = []  # the attempt's failures, by rank
+        self._cadence = Cadence(self.run_config.checkpoint_config.mean_time_between_failures_s)
 
     @property
     def state(self) -> states.ControllerState:
@@ -337,7 +339,7 @@ class Controller:
                 if hang_s is not None:
                     timeout = max(0.0, min(timeout, rounds.hang_left(now, hang_s)))
                 for name in self._validations.poll():
-                    self._tell_running(group, rounds, Validated(name))
+                    send_each(group, rounds.running, Validated(name))
                 if self._validations.busy:
                     timeout = min(timeout, VALIDATION_POLL_S)
                 events = group.poll(timeout, wake=self.interrupts)
@@ -399,7 +401,7 @@ class Controller:
         elif isinstance(message, Gather):
             answer = self._collectives.add(rank, message)
             if answer is not None:
-                self._tell_running(group, rounds, answer)
+                send_each(group, rounds.running, answer)
         elif isinstance(message, Done):
             rounds.finish(rank, message.reports)
             group.mark_finished(rank)
@@ -416,7 +418,7 @@ class Controller:
         has run a while, and reply to each rank whether to checkpoint or stop."""
         row, saved = self._record_round(group, rounds, iteration, by_rank)
         self._warm_up_when_due(group)
-        reply = self._reply(iteration, row, saved)
+        reply = self._reply(iteration, row, saved, by_rank[0].auto)
         for rank in sorted(by_rank):
             group.send(rank, reply)
         if self.run_config.verbose >= 2:
@@ -460,16 +462,18 @@ class Controller:
             self._cold = False
             group.warm_up()
 
-    def _reply(self, iteration: int, row: dict[str, Any], saved: bool) -> Reply:
+    def _reply(self, iteration: int, row: dict[str, Any], saved: bool, auto: bool) -> Reply:
         """The reply to round `iteration`: stop when its row meets `RunConfig.stop`; while Stopping
-        for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint). It
-        names the checkpoint the round committed, if it did."""
+        for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint); with
+        `auto` (the loop saves when asked), ask when the cadence says. It names the checkpoint
+        the round committed, if it did."""
         stop = stop_met(self.run_config.stop, row)
         latest = self.run.checkpoints.latest
         committed = latest.name if latest is not None and latest.iteration == iteration else None
         state = self.state
         if not isinstance(state, states.Stopping):
-            return Reply(stop=stop, checkpoint=False, committed=committed)
+            due = auto and self._cadence.due(row, saved, self.run.manifest.attempts, time.time())
+            return Reply(stop=stop, checkpoint=due, committed=committed)
         if state.asked_at is None:
             self._transition(state.asking_at(iteration))
             return Reply(stop=stop, checkpoint=True, committed=committed)
@@ -488,13 +492,4 @@ class Controller:
         marker = self.run.commit_checkpoint(save.iteration, save.per_rank_files(), save.row, save.name,
                                             save.validation)
         self._saves.committed(save, marker)
-        self._tell_running(group, rounds, Committed(save.iteration, marker.name))
-
-    @staticmethod
-    def _tell_running(group: WorkerGroup, rounds: ReportRounds, message: Any) -> None:
-        """Send `message` to every rank that has neither finished nor failed."""
-        for rank in sorted(rounds.running):
-            try:
-                group.send(rank, message)
-            except OSError:
-                pass  # it ended meanwhile: its Done or its death is on the way
+        send_each(group, rounds.running, Committed(save.iteration, marker.name))

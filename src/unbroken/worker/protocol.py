@@ -32,7 +32,8 @@ class Report:
     rank's files for checkpoint N are being written in the background; a `Staged` follows.
     `validation`: the validation it asks for on checkpoint N (see `validation_config`).
     `save_s`: how long this report blocked the rank's loop saving checkpoint N (the row's
-    `time_checkpoint_s`, a run's checkpoint stall)."""
+    `time_checkpoint_s`, a run's checkpoint stall). `auto`: the loop saves when the driver
+    asks (`TrainState.report(..., checkpoint="auto")`; see `checkpoint_cadence`)."""
 
     iteration: int
     metrics: dict[str, Any]
@@ -41,6 +42,7 @@ class Report:
     pending: bool = False
     validation: dict[str, Any] | None = None
     save_s: float = 0.0
+    auto: bool = False
 
 
 @dataclass(slots=True)

@@ -178,6 +178,7 @@ class Session:
         self.iteration = info.start_iteration
         self.reports = 0
         self._save_t0: float | None = None  # when the save of the coming report began
+        self.auto_checkpoint = False  # TrainState.report(..., checkpoint="auto") sets it
         self._awaiting_reply = False
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self.context = TrainContext(info, self)
@@ -342,6 +343,7 @@ class Session:
         if self._save_t0 is not None:
             report.save_s = time.monotonic() - self._save_t0
             self._save_t0 = None
+        report.auto = self.auto_checkpoint
         self.send(report)
         if save is not None:
             self.saver.start(save)

@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -263,18 +263,23 @@ class TrainState:
         rng = capture_rng(self._generators)
         return (snapshot(payload), rng) if copy else (payload, rng)
 
-    def report(self, metrics: dict[str, Any], checkpoint: bool = False) -> bool:
+    def report(self, metrics: dict[str, Any], checkpoint: bool | Literal["auto"] = False) -> bool:
         """`train.report(metrics)`, with this state saved as the checkpoint when `checkpoint`
         is true or when the driver asks for one (a preemption: should_checkpoint()).
+        `checkpoint="auto"`: when the driver asks, which it does at the interval that wastes
+        least for what a save costs and how often the run fails (Young/Daly; see
+        docs/guarantees.md#how-often-to-checkpoint).
 
         Collective, like train.report: every rank calls it with the same `checkpoint`.
         Returns whether a checkpoint was attached.
         """
-        if not isinstance(checkpoint, bool):
-            raise TypeError(f"TrainState.report(checkpoint=...) takes a bool, got "
-                            f"{type(checkpoint).__name__}. Hint: to report a checkpoint of your own, "
+        if not isinstance(checkpoint, bool) and checkpoint != "auto":
+            raise TypeError(f"TrainState.report(checkpoint=...) takes a bool or \"auto\", got "
+                            f"{checkpoint!r}. Hint: to report a checkpoint of your own, "
                             "call train.report(metrics, checkpoint=Checkpoint.from_directory(d))")
         session = session_mod.current("TrainState.report()")
+        session.auto_checkpoint = checkpoint == "auto"
+        checkpoint = checkpoint is True
         # Asked before this report, so every rank gets the driver's answer for the same report.
         if not (checkpoint or session.should_checkpoint()):
             session.report(metrics)

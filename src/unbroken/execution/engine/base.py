@@ -12,7 +12,7 @@ implementations; a test's fake group (`tests/fake_group.py`) is another.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -137,3 +137,13 @@ WorkerGroupFactory = Callable[..., WorkerGroup]
 """`factory(scaling, warm=None)`: a new group per attempt. `warm`: the failed group of the
 previous attempt, which was asked to `warm_up` and shut down with `keep_warm`; the new group
 may start its ranks from what that prepared (and takes it over)."""
+
+
+def send_each(group: WorkerGroup, ranks: Iterable[int], message: Any) -> None:
+    """Send `message` to each of `ranks`, in rank order; one that ended meanwhile is skipped
+    (its `Done` or its death is on the way)."""
+    for rank in sorted(ranks):
+        try:
+            group.send(rank, message)
+        except OSError:
+            pass
