@@ -124,6 +124,17 @@ def test_hung_rank_is_detected_and_the_group_restarts(storage, tmp_path, how):
     assert first["status"] == "ERRORED"
     assert "WorkerHangError" in first["error"] and "rank(s) [1] did not report iteration 5" in first["error"]
     assert run["attempts"][1]["resumed_from"] == "checkpoint_000004"
+    # Where each rank was when the hang was called: the stuck rank in the loop's wait, the other
+    # in the collective it waited in; a stopped process does not answer.
+    assert first["hang"]["waited_for"] == [1]
+    stacks = os.path.join(result.path, ".unbroken", "stacks", "attempt-001")
+    if how == "blocked":
+        assert first["hang"]["where"]["1"].startswith("loops.py:") and "in linear_loop" in first["hang"]["where"]["1"]
+        assert "linear_loop" in open(os.path.join(stacks, "rank-1.txt")).read()
+    else:
+        assert first["hang"]["where"]["1"] is None and not os.path.exists(os.path.join(stacks, "rank-1.txt"))
+    assert "in linear_loop" in first["hang"]["where"]["0"], first["hang"]
+    assert "Current thread" in open(os.path.join(stacks, "rank-0.txt")).read()
     hung = int(open(marker).read())
     with pytest.raises(ProcessLookupError):
         os.kill(hung, 0)  # gone, not left stopped (it was this process's child: reaped)

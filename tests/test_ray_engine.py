@@ -301,6 +301,8 @@ def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_che
     assert "died" in killed["error"] and "ActorDiedError" in killed["error"], killed["error"]
     assert "injected failure at iteration 6" in raised["error"], raised["error"]
     assert "WorkerHangError" in stuck["error"], stuck["error"]
+    # Its stacks, dumped by a task on each rank's node before the group was torn down.
+    assert stuck["hang"]["waited_for"] == [1] and "loops.py:" in (stuck["hang"]["where"]["1"] or ""), stuck
     resumed = [a["resumed_from"] for a in (raised, stuck, finished)]
     assert resumed == ["checkpoint_000004", "checkpoint_000004", "checkpoint_000006"]
     assert finished["status"] == "FINISHED"

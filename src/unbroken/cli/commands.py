@@ -231,6 +231,12 @@ def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> N
         print(f"  attempt {a['number']}: " + (
             f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
             if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
+    hang = a.get("hang")
+    if hang:
+        print(f"  attempt {a['number']} hung waiting for rank(s) {hang['waited_for']}; stacks in "
+              f".unbroken/stacks/attempt-{a['number']:03d}/:")
+        for rank, at in hang["where"].items():
+            print(f"    rank {rank}: {at or 'no answer (stopped, or gone)'}")
     peer = a.get("in_place")
     if peer:
         again = ", ".join(map(str, peer["replaced"])) or "none"

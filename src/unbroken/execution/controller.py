@@ -25,9 +25,10 @@ from unbroken.errors import (
     StorageError,
     TrainingInterruptedError,
     WorkerDied,
+    WorkerHangError,
 )
 from unbroken.execution import controller_state as states
-from unbroken.execution import in_place
+from unbroken.execution import hang_stacks, in_place
 from unbroken.execution.checkpoint_cadence import Cadence
 from unbroken.execution.collective_calls import CollectiveCalls
 from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
@@ -171,6 +172,8 @@ class Controller:
             if group is not None and self._in_place is not None:
                 self._rejoin = (group, self._in_place)  # its ranks stay for the next attempt
             elif group is not None:
+                if isinstance(error, WorkerHangError):  # where each rank was, before teardown
+                    self._record(hang_stacks.capture, self.run, group, error)
                 self._shut_down_failed(group)
             if self._elastic is not None:
                 self._elastic.failed([(self._placements[r].node_id, bool(e.node_lost))

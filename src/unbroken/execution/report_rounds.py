@@ -86,6 +86,7 @@ class ReportRounds:
 
     def hang_error(self, hang_s: float) -> WorkerHangError:
         """The error for a group that made no progress for `hang_s`, naming the ranks missing."""
+        waiting: list[int] = []
         if self.pending:
             iteration = min(self.pending)
             waiting = sorted(set(range(self.num_workers)) - set(self.pending[iteration]) - set(self.done))
@@ -93,7 +94,9 @@ class ReportRounds:
                     f"rank(s) {sorted(self.pending[iteration])} did")
         else:
             what = f"no worker reported within {hang_s:g} s (reports so far: {self.reported})"
-        return WorkerHangError(
+        error = WorkerHangError(
             f"the worker group looks hung: {what}. Hint: look for a collective or barrier that only "
             "some ranks reach; if an iteration legitimately takes longer, raise "
             "FailureConfig(hang_timeout_s=...)", rank=None)
+        error.waiting = waiting  # the ranks the others waited for (Attempt.hang)
+        return error

@@ -38,6 +38,10 @@ ABORTED = "ABORTED"  # an attempt whose driver died (e.g. SIGKILL) before it cou
 RESIZED = "RESIZED"  # an attempt of an elastic run that stopped at a checkpoint to grow
 
 
+# Attempt fields left out of run.json while None, so that runs without them read as before.
+OPTIONAL_FIELDS = ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at", "hang")
+
+
 @dataclass
 class Attempt:
     """One try at the run: a fit() start or a worker-group restart."""
@@ -71,6 +75,10 @@ class Attempt:
     # it, and the time from it to the first attempt is the run's start-up. Absent in runs
     # written before it was recorded (see run.goodput).
     fit_started_at: float | None = None
+    # When hang_timeout_s ended this attempt: the ranks the others waited for and where each
+    # rank's main thread was ("loops.py:75 in train_loop", None: no answer), from the stacks
+    # kept in .unbroken/stacks/attempt-NNN/. Only in run.json when there is one.
+    hang: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:
@@ -110,7 +118,7 @@ class RunManifest(Manifest):
     def to_bytes(self) -> bytes:
         raw = self.to_dict()
         for attempt in raw["attempts"]:
-            for optional in ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at"):
+            for optional in OPTIONAL_FIELDS:
                 if attempt[optional] is None:
                     del attempt[optional]
         return json.dumps(raw, indent=1, sort_keys=True, default=repr).encode()

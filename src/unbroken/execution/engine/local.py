@@ -26,6 +26,7 @@ import cloudpickle
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.errors import WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
+from unbroken.worker import stacks
 from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import Done, Rejoin, from_wire, to_wire
 from unbroken.worker.runner import WorkerPayload, serve
@@ -125,7 +126,9 @@ def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     # processes (DataLoader workers) must start as in a plain process: a forkserver of theirs
     # outlives a SIGKILLed rank, and keeps its children alive with it.
     mp.set_start_method(None, force=True)
+    stacks.arm()
     outcome = serve(payload.obj, PipeChannel(conn))
+    stacks.forget(os.getpid())
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if isinstance(outcome, Done) else 1)
@@ -246,6 +249,10 @@ class LocalWorkerGroup:
     def mark_finished(self, rank: int) -> None:
         self._selector.unregister(self.procs[rank].sentinel)
 
+    def stacks(self, wait_s: float) -> dict[int, str | None]:
+        return {rank: stacks.dump(proc.pid, wait_s) if proc.is_alive() else None
+                for rank, proc in enumerate(self.procs)}
+
     def warm_up(self) -> None:
         warm_up(self.num_workers)
         self.warm = True  # a rank started again in place (`rejoin`) forks from it
@@ -264,5 +271,7 @@ class LocalWorkerGroup:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        for proc in self.procs:
+            stacks.forget(proc.pid)  # a killed rank could not remove its own
         self._selector.close()
         self.procs, self.conns = [], []

@@ -42,6 +42,7 @@ from unbroken.execution.engine.base import Event, Placement, Wakeup
 from unbroken.execution.engine.ray_actor import RankActor, connect, versions
 from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
+from unbroken.worker import stacks
 from unbroken.worker.protocol import Rejoin, from_wire, to_wire
 
 # How long the placement group may take to be placed (all ranks or none), and the actors to
@@ -382,6 +383,16 @@ class RayWorkerGroup:
 
     def mark_finished(self, rank: int) -> None:
         self._finished.add(rank)
+
+    def stacks(self, wait_s: float) -> dict[int, str | None]:
+        """Each rank's stacks, dumped by a task on its node (the signal reaches only there)."""
+        dump = ray.remote(stacks.dump)
+        refs = [dump.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    meta["node_id"], soft=False)).remote(meta["pid"], wait_s) for meta in self.metas]
+        try:
+            return dict(enumerate(ray.get(refs, timeout=wait_s + 10)))
+        except Exception:  # noqa: BLE001 - a node that does not answer: no stacks rather than no restart
+            return {}
 
     def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
         live = [ref for rank, ref in enumerate(self.refs) if rank not in self._finished]

@@ -16,6 +16,7 @@ import ray
 
 import unbroken
 from unbroken.execution.engine.ray_link import no_delay
+from unbroken.worker import stacks
 from unbroken.worker.channel import PipeChannel
 from unbroken.worker.runner import serve
 
@@ -95,7 +96,9 @@ class RankActor:
         conn = Client(tuple(address), authkey=authkey)
         no_delay(conn)
         conn.send(("hello", rank))
+        stacks.arm()
         try:
             return type(serve(work, PipeChannel(conn))).__name__
         finally:
             conn.close()
+            stacks.forget(os.getpid())
