@@ -129,7 +129,8 @@ def test_hung_rank_is_detected_and_the_group_restarts(storage, tmp_path, how):
     assert first["hang"]["waited_for"] == [1]
     stacks = os.path.join(result.path, ".unbroken", "stacks", "attempt-001")
     if how == "blocked":
-        assert first["hang"]["where"]["1"].startswith("loops.py:") and "in linear_loop" in first["hang"]["where"]["1"]
+        at = first["hang"]["where"]["1"]
+        assert at.startswith("loops.py:") and "in linear_loop" in at, at
         assert "linear_loop" in open(os.path.join(stacks, "rank-1.txt")).read()
     else:
         assert first["hang"]["where"]["1"] is None and not os.path.exists(os.path.join(stacks, "rank-1.txt"))

@@ -56,6 +56,10 @@ class WorkerGroup(Protocol):
     `lost_ranks` calls; then `shutdown` (always, also after `start` raised). Each attempt
     gets a new group from the engine's factory, except a recovery in place: the failed
     attempt's group then serves the next one too, after `rejoin` (in place of `start`).
+
+    Optional, looked up with getattr: `stacks(wait_s) -> {rank: text or None}`, every live
+    rank's Python stacks (`worker.stacks.dump` where the rank runs), asked when the hang
+    timeout fires, before `shutdown`; None for a rank that did not answer within `wait_s`.
     """
 
     num_workers: int
