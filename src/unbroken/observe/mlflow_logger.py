@@ -5,9 +5,7 @@ in a new process, `restore().fit()`, `unbroken resume`) logs into the same MLflo
 Metrics use `training_iteration` as their step.
 
 MLflow cannot delete logged points, so by default a row is sent only once it can no longer
-be abandoned: when a checkpoint at its iteration or later commits, or when its attempt
-finishes. Rows a failed attempt recorded after its last checkpoint are dropped; the next
-attempt records those iterations again. Each step is then logged exactly once.
+be abandoned (`observe.committed_rows`): each step is then logged exactly once.
 
 The calls to MLflow run off the report path (`Callback.run_in_background`): a tracking
 server that is down or does not answer never holds up training. MLflow's client retries
@@ -22,19 +20,18 @@ import os
 import time
 from typing import Any
 
-from unbroken.run.callbacks import Callback, RunInfo, numeric_metrics
-from unbroken.store.checkpoint import Checkpoint
+from unbroken.observe.committed_rows import CommittedRowsLogger, flatten
+from unbroken.run.callbacks import RunInfo, numeric_metrics
 from unbroken.store.manifest import FINISHED, INTERRUPTED
 
 STATE_KEY = "mlflow"
-LIVE_FLUSH_S = 1.0
 _BATCH = 1000  # MLflow's limit on metrics per log_batch call
 _PARAM_BATCH = 100
 _PARAM_CHARS = 500
 _END_STATUS = {FINISHED: "FINISHED", INTERRUPTED: "KILLED"}
 
 
-class MLflowLoggerCallback(Callback):
+class MLflowLoggerCallback(CommittedRowsLogger):
     """Logs a run's metrics (and its train_loop_config as params) to MLflow; at each
     attempt's end, where the run's time went so far (`goodput`, `time/<kind>_s`:
     docs/guarantees.md#where-the-time-went) at the last step it logged.
@@ -56,8 +53,6 @@ class MLflowLoggerCallback(Callback):
     Needs the MLflow client (`pip install 'unbroken[mlflow]'`, which installs mlflow-skinny).
     """
 
-    run_in_background = True
-
     def __init__(self, tracking_uri: str | None = None, *, experiment_name: str | None = None,
                  tags: dict[str, str] | None = None, log_params: bool = True,
                  wait_for_checkpoint: bool = True, timeout_s: float = 15.0) -> None:
@@ -71,22 +66,12 @@ class MLflowLoggerCallback(Callback):
         self.wait_for_checkpoint = wait_for_checkpoint
         self._reset()
 
+    _live = ("_client", "_run_id")
+
     def _reset(self) -> None:
+        super()._reset()
         self._client: Any = None
         self._run_id: str | None = None
-        self._pending: list[dict[str, Any]] = []
-        self._next_flush = 0.0
-        self._last_step = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for key in ("_client", "_run_id", "_pending", "_next_flush", "_last_step"):
-            state.pop(key, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset()
 
     @property
     def run_id(self) -> str | None:
@@ -99,50 +84,28 @@ class MLflowLoggerCallback(Callback):
         if importlib.util.find_spec("mlflow") is None:
             raise ImportError("MLflowLoggerCallback needs MLflow. Hint: pip install 'unbroken[mlflow]'")
 
-    def on_attempt_start(self, run: RunInfo) -> None:
-        self._pending = []
-
-    def on_result(self, run: RunInfo, metrics: dict[str, Any]) -> None:
-        self._pending.append(metrics)
-        if not self.wait_for_checkpoint:
-            now = time.monotonic()
-            if now >= self._next_flush:
-                self._next_flush = now + LIVE_FLUSH_S
-                self._flush(run)
-
-    def on_checkpoint(self, run: RunInfo, checkpoint: Checkpoint, metrics: dict[str, Any]) -> None:
-        self._flush(run)
-
-    def on_attempt_end(self, run: RunInfo, status: str, error: BaseException | None) -> None:
-        if status == FINISHED or not self.wait_for_checkpoint:
-            self._flush(run)
-        self._pending = []
-        if self._run_id is not None:  # where the run's time went so far, at its last step
-            from mlflow.entities import Metric
-
-            step, now = self._last_step, int(time.time() * 1000)
-            self._client.log_batch(self._run_id, metrics=[
-                Metric(key, value, now, step) for key, value in run.time_spent().scalars().items()])
-
     def on_run_end(self, run: RunInfo, status: str) -> None:
         if self._run_id is not None:
             self._client.set_terminated(self._run_id, status=_END_STATUS.get(status, "FAILED"))
 
     # -- MLflow ---------------------------------------------------------------------------
-    def _flush(self, run: RunInfo) -> None:
-        if not self._pending:
-            return
+    def _send(self, run: RunInfo, rows: list[dict[str, Any]]) -> None:
         from mlflow.entities import Metric
 
-        rows, self._pending = self._pending, []
         if self._run_id is None:
             self._start(run)
-        self._last_step = int(rows[-1]["training_iteration"])
         metrics = [Metric(key, value, int(row.get("timestamp", time.time()) * 1000),
                           int(row["training_iteration"]))
                    for row in rows for key, value in numeric_metrics(row).items()]
         for i in range(0, len(metrics), _BATCH):
             self._client.log_batch(self._run_id, metrics=metrics[i:i + _BATCH])
+
+    def _send_time(self, run: RunInfo, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._client.log_batch(self._run_id, metrics=[Metric(k, v, now, self._last_step)
+                                                      for k, v in scalars.items()])
 
     def _start(self, run: RunInfo) -> None:
         """Resume the MLflow run recorded in the run directory, or create one."""
@@ -172,17 +135,7 @@ class MLflowLoggerCallback(Callback):
         if self.log_params and isinstance(run.config, dict):
             from mlflow.entities import Param
 
-            params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in _flatten(run.config).items()]
+            params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in flatten(run.config).items()]
             for i in range(0, len(params), _PARAM_BATCH):
                 client.log_batch(self._run_id, params=params[i:i + _PARAM_BATCH])
 
-
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and "__object__" not in value:
-            out.update(_flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out

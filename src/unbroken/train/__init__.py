@@ -1,7 +1,7 @@
 """unbroken.train: the Ray Train-style API for restorable training runs.
 
 Driver side: configs, trainers, Checkpoint, Result, and the callbacks that observe a run
-(Callback, UserCallback, TensorBoardLoggerCallback, MLflowLoggerCallback). Worker side
+(Callback, UserCallback, TensorBoardLoggerCallback, MLflowLoggerCallback, WandbLoggerCallback). Worker side
 (inside the training function): report, get_checkpoint, get_all_reported_checkpoints,
 get_context, get_dataset_shard, and the `collective` operations. Ray Train V2 scripts port by
 changing their imports; docs/porting-from-ray.md lists each Ray name and what unbroken does.
@@ -26,6 +26,7 @@ from unbroken.core.validation_config import (
 from unbroken.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from unbroken.observe.mlflow_logger import MLflowLoggerCallback
 from unbroken.observe.tensorboard_logger import TensorBoardLoggerCallback
+from unbroken.observe.wandb_logger import WandbLoggerCallback
 from unbroken.run.callbacks import Callback, RunInfo, UserCallback
 from unbroken.run.result import Result
 from unbroken.store.checkpoint import Checkpoint
@@ -49,6 +50,7 @@ __all__ = [
     "MLflowLoggerCallback", "ReportedCheckpoint", "ReportedCheckpointStatus", "Result", "RunConfig",
     "RunInfo", "ScalingConfig", "ValidationConfig", "ValidationFn", "ValidationTaskConfig",
     "StorageContext", "TensorBoardLoggerCallback", "TrainContext", "TrainingFailedError", "UserCallback",
+    "WandbLoggerCallback",
     "WorkerGroupError",
     "collective", "get_all_reported_checkpoints", "get_checkpoint", "get_context", "get_dataset_shard",
     "report", "TRAIN_DATASET_KEY",
