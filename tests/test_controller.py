@@ -95,6 +95,18 @@ def test_a_round_completed_after_a_failure_is_kept_and_the_retry_resumes_from_it
     assert (h.groups[0].warmed, h.groups[0].started_warm, h.groups[1].started_warm) == (True, False, True)
 
 
+def test_an_attempt_after_a_failure_warms_up_at_its_first_round_the_first_not_before_its_delay(storage):
+    # WARM_UP_AFTER_S (10 s) keeps a run's first attempt to itself while it starts; once the run
+    # has failed, each next attempt gets its restart ready at once: the next failure may come
+    # before 10 s, and a cold restart costs seconds (bench_goodput).
+    h = Harness(storage, [[[report(), raise_("boom")], [report(), report()]],
+                          [[report(), raise_("boom again")], [report(), report()]],
+                          [[report()], [report()]]], max_failures=3)
+    h.execute()
+    assert [g.warmed for g in h.groups] == [False, True, True]
+    assert [g.started_warm for g in h.groups] == [False, False, True]
+
+
 def test_a_run_that_cannot_retry_never_warms_up_for_a_restart(storage):
     h = Harness(storage, [[[report(), report()], [report(), report()]]], max_failures=0)
     h.execute()

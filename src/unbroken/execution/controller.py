@@ -459,9 +459,11 @@ class Controller:
             self._commit_async(group, rounds, ready)
 
     def _warm_up_when_due(self, group: WorkerGroup) -> None:
-        """Once the attempt has run WARM_UP_AFTER_S and a failure would be retried, have the
-        group get a restart ready in the background (the ranks are in their loop by now)."""
-        if self._cold and time.monotonic() - self._started >= WARM_UP_AFTER_S and self.policy.can_retry():
+        """Once the attempt has run WARM_UP_AFTER_S (at its first round when it follows a failure:
+        the run fails often) and a failure would be retried, have the group get a restart ready
+        in the background (the ranks are in their loop by now)."""
+        due = 0.0 if getattr(self.policy, "failures", 0) else WARM_UP_AFTER_S
+        if self._cold and time.monotonic() - self._started >= due and self.policy.can_retry():
             self._cold = False
             group.warm_up()
 

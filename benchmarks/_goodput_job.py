@@ -1,0 +1,76 @@
+"""One job of bench_goodput.py, run in a fresh process (not meant to be run by hand).
+
+    python _goodput_job.py FRAMEWORK WORK_DIR PARAMS_JSON
+
+FRAMEWORK: "local" (unbroken, local engine), "unbroken-ray" (Ray engine), "unbroken-ray+jit"
+(Ray engine, the loop's state in a TrainState with just-in-time checkpoints), "ray-v1" or
+"ray-v2" (Ray Train). The Ray ones join the cluster named by RAY_ADDRESS. A tiny DDP job of
+`iterations` steps of `step_s`, a checkpoint every `every`, restarted after every failure
+(max_failures=-1). Each rank notes its pid (and node) in WORK/rank<r>.json at the start of
+each attempt, for the benchmark's failure trace; rank 0 appends one line per report to
+WORK/rows.jsonl. Prints "RESULT <json>" with the wall time of fit().
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+from _tiny_job import note, report, resume
+
+FRAMEWORK, WORK, PARAMS = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+RAY_TRAIN = FRAMEWORK.startswith("ray-")
+if RAY_TRAIN:
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1" if FRAMEWORK == "ray-v2" else "0"
+    from ray import train
+    from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer, prepare_model
+else:
+    from unbroken import train
+    from unbroken.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+    from unbroken.train.torch import TorchTrainer, prepare_model
+
+
+def loop(config: dict) -> None:
+    rank = train.get_context().get_world_rank()
+    node = None
+    if FRAMEWORK != "local":
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+    note(WORK, f"rank{rank}.json", {"pid": os.getpid(), "node_id": node})
+    torch.manual_seed(0)
+    model = prepare_model(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start, state = resume(train, model, opt, config["jit"])
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for it in range(start + 1, config["iterations"] + 1):
+        time.sleep(config["step_s"])  # the rest of a training step's compute
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        report(train, Checkpoint, state, it, loss.item(), it % config["every"] == 0, rank)
+        if rank == 0:
+            with open(os.path.join(WORK, "rows.jsonl"), "a") as f:
+                f.write(json.dumps({"t": time.time(), "it": it}) + "\n")
+
+
+def main() -> None:
+    kwargs = {"num_workers": 2, "resources_per_worker": {"CPU": 1}}
+    if FRAMEWORK == "ray-v1":
+        kwargs["trainer_resources"] = {"CPU": 0}
+    elif not RAY_TRAIN:
+        kwargs["engine"] = "local" if FRAMEWORK == "local" else "ray"
+    trainer = TorchTrainer(loop, train_loop_config=dict(PARAMS, jit=FRAMEWORK.endswith("+jit")),
+                           scaling_config=ScalingConfig(**kwargs),
+                           run_config=RunConfig(name="bench", storage_path=os.path.join(WORK, "storage"),
+                                                failure_config=FailureConfig(max_failures=-1)))
+    t_fit = time.time()
+    trainer.fit()
+    print("RESULT " + json.dumps({"fit_s": time.time() - t_fit}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
