@@ -141,7 +141,8 @@ def plot_goodput(path: str, out: str | os.PathLike, storage_filesystem: Any = No
     for a in manifest.attempts:
         for ax in (top, bands):
             ax.axvline(a.started_at - t0, color="0.3", ls=":", lw=1)
-        top.annotate(marker_label(a), (a.started_at - t0, 1.0), xycoords=("data", "axes fraction"),
+        label = marker_label(a) if len(manifest.attempts) <= 6 else str(a.number)  # many: numbers only
+        top.annotate(label, (a.started_at - t0, 1.0), xycoords=("data", "axes fraction"),
                      fontsize=7, ha="left", va="bottom", color="0.25")
         if a.status in (mf.ERRORED, mf.ABORTED) and a.ended_at is not None:
             bands.plot([a.ended_at - t0], [1.15], marker="v", color="#d62728", clip_on=False)
