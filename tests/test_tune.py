@@ -38,8 +38,8 @@ def timeline(result, *columns):
     return [tuple(row) for row in df[list(columns)].itertuples(index=False)]
 
 
-VOLATILE = ("time_total_s", "time_this_iter_s", "timestamp", "attempt", "iterations_since_restore",
-            "time_since_restore")
+VOLATILE = ("time_total_s", "time_this_iter_s", "time_checkpoint_s", "timestamp", "attempt",
+            "iterations_since_restore", "time_since_restore")
 
 
 def summary(grid):
