@@ -17,7 +17,7 @@ import sys
 import time
 
 import torch
-from _tiny_job import note, report, resume
+from _tiny_job import fit_timed, note, report, resume
 
 FRAMEWORK, WORK, PARAMS = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if FRAMEWORK == "ray-v2-elastic":
@@ -65,13 +65,8 @@ def main() -> None:
         kwargs["elastic_resize_monitor_interval_s"] = PARAMS["monitor_s"]
     if FRAMEWORK != "ray-v2-elastic":
         kwargs["engine"] = "ray"
-    trainer = TorchTrainer(loop, train_loop_config=dict(PARAMS, jit=FRAMEWORK.endswith("+jit")),
-                           scaling_config=ScalingConfig(**kwargs),
-                           run_config=RunConfig(name="bench", storage_path=os.path.join(WORK, "storage"),
-                                                failure_config=FailureConfig(max_failures=-1)))
-    t_fit = time.time()
-    trainer.fit()
-    print("RESULT " + json.dumps({"fit_s": time.time() - t_fit}), flush=True)
+    fit_timed((TorchTrainer, ScalingConfig, RunConfig, FailureConfig), loop,
+              dict(PARAMS, jit=FRAMEWORK.endswith("+jit")), kwargs, WORK)
 
 
 if __name__ == "__main__":

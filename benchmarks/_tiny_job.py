@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -47,3 +48,16 @@ def report(train: Any, checkpoint_cls: Any, state: Any, it: int, loss: float, ch
             train.report({"loss": loss}, checkpoint=checkpoint_cls.from_directory(d))
     else:
         train.report({"loss": loss})
+
+
+def fit_timed(classes: tuple[Any, Any, Any, Any], loop: Any, config: dict, scaling: dict, work: str) -> None:
+    """Build the job's trainer from `classes` (TorchTrainer, ScalingConfig, RunConfig,
+    FailureConfig of Ray Train or unbroken), restarting after every failure, run fit() and
+    print "RESULT {"fit_s": ...}" for the benchmark."""
+    trainer_cls, scaling_cls, run_cls, failure_cls = classes
+    trainer = trainer_cls(loop, train_loop_config=config, scaling_config=scaling_cls(**scaling),
+                          run_config=run_cls(name="bench", storage_path=os.path.join(work, "storage"),
+                                             failure_config=failure_cls(max_failures=-1)))
+    t_fit = time.time()
+    trainer.fit()
+    print("RESULT " + json.dumps({"fit_s": time.time() - t_fit}), flush=True)

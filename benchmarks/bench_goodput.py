@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from bench_ray import add_node, start_cluster
+from bench_ray import add_node, fmt, start_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_goodput_job.py")
@@ -107,14 +107,6 @@ def _running_rank(work: str) -> dict | None:
         return None
 
 
-def fmt(values: list[float], digits: int = 2, unit: str = "") -> str:
-    if not values:
-        return "failed"
-    med = statistics.median(values)
-    spread = f" ({min(values):.{digits}f}–{max(values):.{digits}f})" if len(values) > 1 else ""
-    return f"{med:.{digits}f}{unit}{spread}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
@@ -158,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 def render(results: dict[str, list[dict]], clean: dict[str, float], args: argparse.Namespace,
            ray_version: str) -> str:
     step = min(clean.values()) if clean else 0.04
+    chosen = args.frameworks.split(",")
 
     def goodput(fw: str) -> list[float]:
         return [args.iterations * step / r["fit_s"] for r in results.get(fw, [])]
@@ -165,15 +158,16 @@ def render(results: dict[str, list[dict]], clean: dict[str, float], args: argpar
     lines = [f"## Goodput under failures — {args.repeats} repeat(s), 2 workers (1 CPU each), local 2-node "
              f"Ray {ray_version} cluster, {os.cpu_count()} CPUs; {args.iterations} steps, failures every "
              f"{args.mtbf:g} s on average (seed {args.seed})", "",
-             "| | " + " | ".join(FRAMEWORKS) + " |", "|---|" + "---|" * len(FRAMEWORKS)]
+             "| | " + " | ".join(chosen) + " |", "|---|" + "---|" * len(chosen)]
     def row(label: str, cell) -> None:
-        lines.append(f"| {label} | " + " | ".join(cell(fw) for fw in FRAMEWORKS) + " |")
+        lines.append(f"| {label} | " + " | ".join(cell(fw) for fw in chosen) + " |")
     row("failure-free step", lambda fw: f"{1000 * clean[fw]:.1f} ms" if fw in clean else "—")
-    row("wall time", lambda fw: fmt([r["fit_s"] for r in results.get(fw, [])], 1, " s"))
+    row("wall time", lambda fw: fmt([r["fit_s"] for r in results.get(fw, [])], "s", 1))
     row("failures (kills + node losses)",
-        lambda fw: fmt([r["kills"] + r["nodes"] for r in results.get(fw, [])], 0))
-    row("iterations redone", lambda fw: fmt([r["rows"] - args.iterations for r in results.get(fw, [])], 0))
-    row("goodput", lambda fw: fmt(goodput(fw), 3))
+        lambda fw: fmt([r["kills"] + r["nodes"] for r in results.get(fw, [])], "", 0))
+    row("iterations redone",
+        lambda fw: fmt([r["rows"] - args.iterations for r in results.get(fw, [])], "", 0))
+    row("goodput", lambda fw: fmt(goodput(fw), "", 3))
     best_ray = max((statistics.median(goodput(fw)) for fw in ("ray-v1", "ray-v2") if goodput(fw)),
                    default=None)
     ours = goodput("unbroken-ray+jit") or goodput("unbroken-ray")
