@@ -132,7 +132,7 @@ def of_run(attempts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Goodpu
         mine = own.get(a["number"], [])
         start = a["started_at"]
         restart = previous is not None and _same_fit(previous, a, previous_end)
-        lead_from = previous_end if restart else (a.get("fit_started_at") or start)
+        lead_from = previous_end if restart else max(a.get("fit_started_at") or start, previous_end)
         if previous is not None and not restart:
             out.between_fits_s += max(0.0, lead_from - previous_end)
         start = max(start, lead_from)
