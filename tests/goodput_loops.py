@@ -37,3 +37,32 @@ def timed_loop(config: dict) -> None:
             raise RuntimeError(f"injected failure at iteration {state.step}")
         every = config["every"]
         state.report({"step": state.step}, checkpoint=every if every == "auto" else state.step % every == 0)
+
+
+class Paced(torch.nn.Module):
+    """A linear layer whose forward pass takes at least `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def paced_loop(config: dict) -> None:
+    """`iterations` DDP steps; rank `slow_rank`'s forward pass takes `slow_s`, the others'
+    `forward_s`."""
+    rank = train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = train.torch.prepare_model(Paced(config["slow_s"] if rank == config["slow_rank"]
+                                            else config["forward_s"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(config["iterations"]):
+        loss = model(torch.ones(8, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        train.report({"loss": loss.item(), "step": step})

@@ -2,6 +2,8 @@
 and of real runs with known step times, save stalls and failures, within a stated tolerance."""
 
 import functools
+import json
+import logging
 import re
 import statistics
 import subprocess
@@ -10,9 +12,10 @@ import time
 
 import pytest
 
-from goodput_loops import timed_loop
+from goodput_loops import paced_loop, timed_loop
 from unbroken.run import checkpoint_advice
 from unbroken.run import goodput as gp
+from unbroken.run.stragglers import Straggler, Stragglers
 from unbroken.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
@@ -140,3 +143,42 @@ def test_the_advice_follows_young_and_the_expected_goodput_peaks_there():
     assert (advice.failures, advice.given, advice.cost_s) == (1, False, 0.5)
     assert advice.mtbf_s == pytest.approx(20.0), "the wall time per failure seen"
     assert checkpoint_advice.advise(attempts, rows[:1], gp.of_run(attempts, rows[:1])) is None, "no save yet"
+
+
+def test_stragglers_are_named_from_a_consistent_median_against_the_other_ranks():
+    slow = Stragglers(window=4, min_reports=3, ratio=1.5)
+    slow.add({0: 0.01, 1: 0.01, 2: 0.03, 3: None})
+    slow.add({0: 0.01, 1: 0.01, 2: 0.03, 3: None})
+    assert slow.straggler() is None and slow.summary() is None, "two reports are not yet consistent"
+    slow.add({0: 0.01, 1: 0.012, 2: 0.03, 3: None})
+    assert slow.straggler() == Straggler(2, 3.0)
+    assert slow.summary() == {"median_s": [0.01, 0.01, 0.03, None], "straggler": {"rank": 2, "ratio": 3.0}}
+    for _ in range(3):  # rank 2 catches up: the window forgets its slow reports
+        slow.add({0: 0.01, 1: 0.01, 2: 0.011, 3: None})
+    assert slow.straggler() is None
+    even = Stragglers(window=4, min_reports=1, ratio=1.5)
+    even.add({0: 0.01, 1: 0.014})
+    assert even.straggler() is None, "1.4x is within the spread allowed"
+
+
+@pytest.mark.parametrize("slow_rank", [1, None])
+def test_a_rank_with_a_slow_forward_pass_is_named_in_rows_progress_and_show(tmp_path, slow_rank, caplog):
+    config = {"iterations": 14, "forward_s": 0.01, "slow_s": 0.04, "slow_rank": slow_rank}
+    with caplog.at_level(logging.INFO, logger="unbroken"):
+        result = TorchTrainer(paced_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+                              run_config=RunConfig(name="paced", storage_path=str(tmp_path), verbose=1)).fit()
+    progress = [r.getMessage() for r in caplog.records if "attempt 1, iteration 14" in r.getMessage()]
+    named = [(r.get("straggler_rank"), r["training_iteration"]) for r in result.rows if "straggler_rank" in r]
+    attempt = json.loads(open(f"{result.path}/.unbroken/run.json").read())["attempts"][0]
+    out = subprocess.run([sys.executable, "-m", "unbroken", "show", result.path],
+                         capture_output=True, text=True, check=True).stdout
+    assert len(attempt["forward_s"]["median_s"]) == 2
+    if slow_rank is None:
+        assert named == [] and attempt["forward_s"]["straggler"] is None
+        assert "was slow" not in out and progress and "slow" not in progress[-1]
+        return
+    assert re.search(r", slow: rank 1 \([\d.]+x\): FINISHED$", progress[-1]), progress
+    assert [rank for rank, _ in named] == [1] * 10, "from the 5th report on, every row names rank 1"
+    assert named[0][1] == 5
+    assert attempt["forward_s"]["straggler"]["rank"] == 1 and attempt["forward_s"]["straggler"]["ratio"] >= 2.5
+    assert re.search(r"rank 1 was slow: 0\.04\d* s per report in the model's forward pass, [\d.]+x", out), out

@@ -210,8 +210,8 @@ def _show_head(s: inspection.RunSummary) -> None:
 
 
 def _show_attempts(s: inspection.RunSummary) -> None:
-    """One row per attempt, then what the table has no room for: a changed configuration
-    and the just-in-time checkpoint (or why there was none)."""
+    """One row per attempt, then what the table has no room for: a changed configuration,
+    the just-in-time checkpoint (or why there was none), a hang, a slow rank."""
     print("\nattempts")
     rows = [[a["number"], a["status"], _when(a["started_at"]), _when(a["ended_at"]), a["num_workers"],
              a["resumed_from"] or ("in place" if a.get("in_place") else "-"), a["error"] or "-"]
@@ -251,6 +251,11 @@ def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> N
             gap = f"; began {seconds:.1f} s after attempt {previous['number']} ended"
         print(f"  attempt {a['number']}: {a['num_workers']} workers, elastic: {elastic['reason']} "
               f"({elastic['capacity']} could be placed{before}){gap}")
+    slow = (a.get("forward_s") or {}).get("straggler")
+    if slow:
+        own = a["forward_s"]["median_s"][slow["rank"]]
+        print(f"  attempt {a['number']}: rank {slow['rank']} was slow: {own:.3g} s per report in the "
+              f"model's forward pass, {slow['ratio']}x the other ranks' median")
 
 
 def _show_checkpoints(s: inspection.RunSummary) -> None:

@@ -425,8 +425,7 @@ class Controller:
         for rank in sorted(by_rank):
             group.send(rank, reply)
         if self.run_config.verbose >= 2:
-            log.info("run %s: %s", self.run.manifest.name,
-                     {k: v for k, v in row.items() if k not in ("timestamp",)})
+            log.info("run %s: %s", self.run.manifest.name, {k: v for k, v in row.items() if k != "timestamp"})
 
     def _record_round(self, group: WorkerGroup, rounds: ReportRounds, iteration: int,
                       by_rank: dict[int, Report]) -> tuple[dict[str, Any], bool]:
@@ -440,7 +439,8 @@ class Controller:
         if self._elastic is not None:  # an elastic run's rows say how many workers made them
             metrics = {**metrics, "world_size": self.scaling.num_workers}
         row = self.run.record(iteration, metrics, name if saved else None,
-                              max(m.save_s for m in by_rank.values()) if saved else None)
+                              max(m.save_s for m in by_rank.values()) if saved else None,
+                              {r: m.forward_s for r, m in by_rank.items()})
         metrics = [by_rank[r].metrics for r in sorted(by_rank)]
         validation = next((by_rank[r].validation for r in sorted(by_rank) if by_rank[r].validation), None)
         self._settle_checkpoint(group, rounds, PendingCommit(iteration, name, row, metrics, staged, pending,

@@ -92,6 +92,8 @@ class ProgressReporter(Callback):
         parts = [f"{k}={format_value(v)}" for k, v in shown[:MAX_METRICS]]
         if self._checkpoint:
             parts.append(f"ckpt={self._checkpoint.removeprefix('checkpoint_').lstrip('0') or '0'}")
+        if "straggler_rank" in row:
+            parts.append(f"slow: rank {row['straggler_rank']} ({row['straggler_ratio']:.1f}x)")
         return parts
 
     def _draw(self, run: RunInfo, now: float, status: str | None = None) -> None:

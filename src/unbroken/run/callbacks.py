@@ -38,7 +38,8 @@ STATE_DIR = f"{META_DIR}/callbacks"
 # not what a progress line or a listing shows as the run's metric.
 TIMINGS = ("time_total_s", "time_this_iter_s", "time_checkpoint_s")
 BOOKKEEPING = frozenset({"training_iteration", "iterations_since_restore", "time_since_restore",
-                         "timestamp", "attempt", "checkpoint_dir_name", "world_size"})
+                         "timestamp", "attempt", "checkpoint_dir_name", "world_size",
+                         "straggler_rank", "straggler_ratio"})
 
 
 class ObservedRun(Protocol):

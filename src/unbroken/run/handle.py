@@ -11,6 +11,7 @@ from typing import Any
 
 from unbroken.core.config import CheckpointConfig
 from unbroken.run.callbacks import CallbackList
+from unbroken.run.stragglers import Stragglers
 from unbroken.store import manifest as mf
 from unbroken.store.checkpoint_manager import CheckpointManager
 from unbroken.store.commit import FileEntry, Marker
@@ -40,6 +41,7 @@ class Run:
         self._attempt_t0 = 0.0
         self._time_base = 0.0
         self._last_report_t = 0.0
+        self._stragglers = Stragglers()
         self.callbacks = CallbackList()  # the trainer sets RunConfig.callbacks and the progress display
         # How this fit() changed the run's identity (recorded with its first attempt), or None.
         self.config_change: dict[str, dict[str, Any]] | None = None
@@ -91,6 +93,7 @@ class Run:
             self.history.open()
         self._time_base = float(base.get("time_total_s", 0.0))
         self._attempt_t0 = self._last_report_t = time.monotonic()
+        self._stragglers = Stragglers()
         self.callbacks.attempt_started()
         return resume
 
@@ -121,10 +124,12 @@ class Run:
 
     # -- reports ------------------------------------------------------------------------
     def record(self, iteration: int, metrics: dict[str, Any], checkpoint_name: str | None,
-               save_s: float | None = None) -> dict:
+               save_s: float | None = None, forward_s: dict[int, float | None] | None = None) -> dict:
         """Append the row for one report round (rank 0's metrics plus the run's counters);
         `save_s`: for a round that saved a checkpoint, the longest any rank's loop was blocked
-        saving it (`time_checkpoint_s`)."""
+        saving it (`time_checkpoint_s`). `forward_s`: each rank's forward seconds since its
+        previous report; a rank consistently slower than the others is named in the row
+        (`straggler_rank`, `straggler_ratio`) and the attempt (`Attempt.forward_s`)."""
         assert self.attempt is not None
         now = time.monotonic()
         row = dict(metrics)
@@ -136,6 +141,12 @@ class Run:
                    attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
         if save_s is not None:
             row["time_checkpoint_s"] = save_s
+        if forward_s:
+            self._stragglers.add(forward_s)
+            self.attempt.forward_s = self._stragglers.summary() or self.attempt.forward_s
+            straggler = self._stragglers.straggler()
+            if straggler is not None:
+                row.update(straggler_rank=straggler.rank, straggler_ratio=straggler.ratio)
         self._last_report_t = now
         self.history.append(row)
         self.callbacks.result(row)

@@ -39,7 +39,8 @@ RESIZED = "RESIZED"  # an attempt of an elastic run that stopped at a checkpoint
 
 
 # Attempt fields left out of run.json while None, so that runs without them read as before.
-OPTIONAL_FIELDS = ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at", "hang")
+OPTIONAL_FIELDS = ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at", "hang",
+                   "forward_s")
 
 
 @dataclass
@@ -79,6 +80,11 @@ class Attempt:
     # rank's main thread was ("loops.py:75 in train_loop", None: no answer), from the stacks
     # kept in .unbroken/stacks/attempt-NNN/. Only in run.json when there is one.
     hang: dict[str, Any] | None = None
+    # Each rank's median seconds in its model's forward passes per report, over the attempt's
+    # last 10 reports, and the rank consistently slower than the others (see run.stragglers):
+    # {"median_s": [0.021, 0.043], "straggler": {"rank": 1, "ratio": 2.05}}. Only in run.json
+    # when measured (models wrapped by prepare_model in a run of 2 workers or more).
+    forward_s: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:

@@ -33,7 +33,9 @@ class Report:
     `validation`: the validation it asks for on checkpoint N (see `validation_config`).
     `save_s`: how long this report blocked the rank's loop saving checkpoint N (the row's
     `time_checkpoint_s`, a run's checkpoint stall). `auto`: the loop saves when the driver
-    asks (`TrainState.report(..., checkpoint="auto")`; see `checkpoint_cadence`)."""
+    asks (`TrainState.report(..., checkpoint="auto")`; see `checkpoint_cadence`). `forward_s`:
+    the seconds this rank spent in its model's forward passes since its previous report (None
+    when unmeasured; see `forward_clock`)."""
 
     iteration: int
     metrics: dict[str, Any]
@@ -43,6 +45,7 @@ class Report:
     validation: dict[str, Any] | None = None
     save_s: float = 0.0
     auto: bool = False
+    forward_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -179,6 +179,7 @@ class Session:
         self.reports = 0
         self._save_t0: float | None = None  # when the save of the coming report began
         self.auto_checkpoint = False  # TrainState.report(..., checkpoint="auto") sets it
+        self.forward_clock: Any = None  # prepare_model's ForwardClock on the model it wrapped
         self._awaiting_reply = False
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self.context = TrainContext(info, self)
@@ -344,6 +345,8 @@ class Session:
             report.save_s = time.monotonic() - self._save_t0
             self._save_t0 = None
         report.auto = self.auto_checkpoint
+        if self.forward_clock is not None:
+            report.forward_s = self.forward_clock.take()
         self.send(report)
         if save is not None:
             self.saver.start(save)

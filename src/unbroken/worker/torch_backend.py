@@ -28,6 +28,7 @@ from unbroken.state.sampler import ResumableSampler
 from unbroken.worker import dataset_shard
 from unbroken.worker import session as session_mod
 from unbroken.worker.backend import Backend, RendezvousFn
+from unbroken.worker.forward_clock import ForwardClock
 from unbroken.worker.session import Session
 
 
@@ -90,7 +91,8 @@ def get_device() -> torch.device:
 def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
                   parallel_strategy: Literal["ddp"] | None = "ddp",
                   parallel_strategy_kwargs: dict[str, Any] | None = None) -> torch.nn.Module:
-    """Move the model to this worker's device and wrap it in DistributedDataParallel."""
+    """Move the model to this worker's device and wrap it in DistributedDataParallel (timing
+    its forward passes, which name a rank slower than the others: `forward_clock`)."""
     device = get_device()
     if move_to_device:
         model = model.to(device)
@@ -99,6 +101,10 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device.index])
         model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+        session = session_mod.current("prepare_model()")
+        if session.forward_clock is not None:
+            session.forward_clock.detach()
+        session.forward_clock = ForwardClock(model.module, device)
     return model
 
 
