@@ -2,8 +2,8 @@
 
     python _goodput_job.py FRAMEWORK WORK_DIR PARAMS_JSON
 
-FRAMEWORK: "local" (unbroken, local engine), "unbroken-ray" (Ray engine), "unbroken-ray+jit"
-(Ray engine, the loop's state in a TrainState with just-in-time checkpoints), "ray-v1" or
+FRAMEWORK: "local" (unbroken, local engine), "unbroken-ray" (Ray engine), either with "+jit"
+(the loop's state in a TrainState with just-in-time checkpoints), "ray-v1" or
 "ray-v2" (Ray Train). The Ray ones join the cluster named by RAY_ADDRESS. A tiny DDP job of
 `iterations` steps of `step_s`, a checkpoint every `every`, restarted after every failure
 (max_failures=-1). Each rank notes its pid (and node) in WORK/rank<r>.json at the start of
@@ -35,7 +35,7 @@ else:
 def loop(config: dict) -> None:
     rank = train.get_context().get_world_rank()
     node = None
-    if FRAMEWORK != "local":
+    if not FRAMEWORK.startswith("local"):
         import ray
 
         node = ray.get_runtime_context().get_node_id()
@@ -62,7 +62,7 @@ def main() -> None:
     if FRAMEWORK == "ray-v1":
         kwargs["trainer_resources"] = {"CPU": 0}
     elif not RAY_TRAIN:
-        kwargs["engine"] = "local" if FRAMEWORK == "local" else "ray"
+        kwargs["engine"] = "local" if FRAMEWORK.startswith("local") else "ray"
     fit_timed((TorchTrainer, ScalingConfig, RunConfig, FailureConfig), loop,
               dict(PARAMS, jit=FRAMEWORK.endswith("+jit")), kwargs, WORK)
 

@@ -137,6 +137,15 @@ def must_not_run(config: dict) -> None:
     raise AssertionError("training should not have run")
 
 
+def device_loop(config: dict) -> None:
+    """One report saying where the model went and which process group the rank joined."""
+    from unbroken.train.torch import get_device
+
+    model = prepare_model(torch.nn.Linear(4, 1))
+    train.report({"device": str(get_device()), "backend": torch.distributed.get_backend(),
+                  "param_device": str(next(model.parameters()).device)})
+
+
 def final_weights(result) -> dict:
     with result.checkpoint.as_directory() as d:
         return torch.load(os.path.join(d, "state.pt"), weights_only=True)["model"]
@@ -219,12 +228,14 @@ def exact_loop(config: dict) -> None:
     background. `jit`: just-in-time checkpoints and per-step random streams (step_seed 7), with
     die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|hang) striking
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
-    its process id to rank<r>-a<attempt> there.
+    its process id to rank<r>-a<attempt> there. `deterministic`: deterministic algorithms only.
     """
     from unbroken.train.torch import TrainState, prepare_data_loader
 
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if config.get("deterministic"):  # on a GPU (docs/exact-resume.md: CUBLAS_WORKSPACE_CONFIG is set)
+        torch.use_deterministic_algorithms(True)
     # Per-rank random streams (DDP broadcasts rank 0's initial weights).
     seed_everything(100 + rank)
     model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),

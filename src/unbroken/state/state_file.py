@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import random
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -145,18 +145,41 @@ def write_files(directory: str, rank: int, payload: dict[str, Any] | None,
     return written
 
 
-def snapshot(value: Any) -> Any:
+def snapshot(value: Any, host: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
     """`value` with every tensor in it copied (plain tensors to CPU memory; a DTensor keeps its
     placement) and its lists, tuples and dicts rebuilt: what training does next changes
-    nothing in it."""
+    nothing in it.
+
+    A GPU tensor is copied into page-locked (pinned) host memory, all copies queued at once
+    and waited for together: a pinned copy runs at the link's full rate and the copies of
+    many tensors overlap, where a plain `.cpu()` stages through pageable memory one tensor
+    at a time. `host(tensor)` makes the host buffer a device tensor is copied into (default:
+    pinned, from torch's caching host allocator, so later saves reuse it)."""
+    waits: set[torch.device] = set()
+    copied = _snapshot(value, host or _pinned_like, waits)
+    for device in waits:
+        torch.cuda.current_stream(device).synchronize()
+    return copied
+
+
+def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+
+
+def _snapshot(value: Any, host: Callable[[torch.Tensor], torch.Tensor], waits: set[torch.device]) -> Any:
     if isinstance(value, torch.Tensor):
         if type(value).__name__ == "DTensor":
             return value.detach().clone()
-        return value.detach().to("cpu", copy=True)
+        if value.device.type != "cuda":
+            return value.detach().to("cpu", copy=True)
+        buffer = host(value)
+        buffer.copy_(value.detach(), non_blocking=True)
+        waits.add(value.device)
+        return buffer
     if isinstance(value, dict):
-        return type(value)((k, snapshot(v)) for k, v in value.items())
+        return type(value)((k, _snapshot(v, host, waits)) for k, v in value.items())
     if type(value) in (list, tuple):
-        return type(value)(snapshot(v) for v in value)
+        return type(value)(_snapshot(v, host, waits) for v in value)
     return value
 
 
