@@ -221,3 +221,43 @@ def test_asha_says_above_the_cutoff_for_a_metric_to_minimise():
     assert "loss=0.9 above the cutoff 0.5 of rung 1" in describe_decision(decision)
     score = {**decision, "metric": "score", "value": 0.1}
     assert "score=0.1 below the cutoff 0.5" in describe_decision(score)
+
+
+def test_asha_brackets_start_a_rung_higher_and_judge_each_bracket_apart(tmp_path):
+    """brackets=2: bracket 1's first rung is one reduction higher; a trial's bracket is drawn
+    from its name alone (every driver and restore draws the same), likelier for the bracket
+    with more rungs; a trial is judged only against trials of its own bracket."""
+    from unbroken.store.storage import Storage
+    from unbroken.tune.asha import ASHAScheduler, TrialStopper, read_decision
+
+    sched = ASHAScheduler(max_t=8, grace_period=1, reduction_factor=2, brackets=2)
+    assert sched.milestones(0) == [1, 2, 4, 8] and sched.milestones(1) == [2, 4, 8]
+    names = [f"trial_{i:05d}" for i in range(400)]
+    drawn = [sched.bracket_of(n) for n in names]
+    assert drawn == [ASHAScheduler(max_t=8, grace_period=1, reduction_factor=2, brackets=2).bracket_of(n)
+                     for n in names]
+    share = drawn.count(0) / len(drawn)  # Ray's weights: e**0 against e**-1, 0.73 of the trials
+    assert 0.65 < share < 0.81, share
+    assert ASHAScheduler(brackets=1).bracket_of("trial_00001") == 0
+    with pytest.raises(ValueError, match="brackets must be an int >= 1"):
+        ASHAScheduler(brackets=0)
+
+    url = str(tmp_path / "sweep")
+    zero = [n for n, b in zip(names, drawn, strict=True) if b == 0][:2]
+    one = [n for n, b in zip(names, drawn, strict=True) if b == 1][:2]
+
+    def stopper(trial):
+        return TrialStopper(trial, url, None, sched, "score", "max")
+
+    # The better trial of each bracket first: the worse one after it is stopped at its first
+    # rung, judged against its own bracket's only (bracket 1's first rung is 2, so the
+    # bracket-1 trials are not judged at 1 at all).
+    assert stopper(zero[0])({"training_iteration": 1, "score": 0.9}) is False
+    assert stopper(one[0])({"training_iteration": 1, "score": 0.1}) is False
+    assert stopper(zero[1])({"training_iteration": 1, "score": 0.5}) is True
+    assert stopper(one[0])({"training_iteration": 2, "score": 0.1}) is False, "first in its bracket's rung 2"
+    assert stopper(one[1])({"training_iteration": 2, "score": 0.05}) is True
+    storage = Storage.from_url(url)
+    assert read_decision(storage, one[1])["bracket"] == 1 and read_decision(storage, zero[1])["bracket"] == 0
+    assert sorted(storage.listdir(".unbroken/asha/bracket_1")) == ["rung_2"]
+    assert stopper(one[1])({"training_iteration": 3, "score": 1.0}) is True, "stopped stays stopped"

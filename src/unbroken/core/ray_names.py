@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from unbroken.errors import UnsupportedAPIError
 
-_HYPERBAND = ("synchronous HyperBand is not provided. Hint: use ASHAScheduler (asynchronous successive "
-              "halving, HyperBand's early stopping without waiting for a rung to fill)")
+_HYPERBAND = ("synchronous HyperBand is not provided. Hint: use ASHAScheduler(brackets=N) (asynchronous "
+              "HyperBand: its brackets and early stopping, without waiting for a rung to fill)")
 _PBT = ("population-based training is not provided: trials share no weights or hyperparameters. Hint: "
         "use ASHAScheduler to stop poor trials early")
 

@@ -63,6 +63,9 @@ def encode_trainer(trainer_class: type, init_args: dict[str, Any]) -> SavedTrain
     """Encode without writing anything; raises TypeError naming an argument that cannot be saved."""
     params, pickles, must_respecify = {}, {}, []
     for name, value in init_args.items():
+        if getattr(value, "unbroken_respecify", False):  # e.g. tune.with_parameters' objects: never saved
+            must_respecify.append(name)
+            continue
         if name == DATASETS and value:
             builders = {k: ds for k, ds in value.items() if is_dataset_builder(ds)}
             if len(builders) != len(value):

@@ -3,7 +3,8 @@
 Driver side: `Tuner(trainable, param_space=..., tune_config=TuneConfig(...),
 run_config=RunConfig(...)).fit() -> ResultGrid`, `Tuner.restore(path, trainable, ...)`,
 `Tuner.can_restore(path)`, and the search space: `grid_search`, `choice`, `uniform`,
-`quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `randn`.
+`quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `randn`; and
+what a function trainable is given besides its config: `with_parameters`, `with_resources`.
 Search algorithms are in `unbroken.tune.search`, schedulers in `unbroken.tune.schedulers`.
 
 Worker side (inside the trainable): `report`, `get_checkpoint`, `get_context`, the same
@@ -16,6 +17,7 @@ Layer 7 (public API, with its sweep machinery: `tuner`, `saved_sweep`, `sweep_dr
 from __future__ import annotations
 
 from unbroken.train import get_checkpoint, get_context, report
+from unbroken.tune.function_trainable import with_parameters, with_resources
 from unbroken.tune.result_grid import ResultGrid, TrialResult
 from unbroken.tune.search_space import (
     choice,
@@ -35,6 +37,6 @@ from unbroken.tune.tuner import Tuner
 __all__ = [
     "ResultGrid", "TrialResult", "TuneConfig", "Tuner",
     "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qrandint", "quniform", "randint",
-    "randn", "uniform",
+    "randn", "uniform", "with_parameters", "with_resources",
     "get_checkpoint", "get_context", "report",
 ]

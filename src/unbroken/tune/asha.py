@@ -6,10 +6,15 @@ every metric row, as it does any stop condition. When a trial's `time_attr` reac
 (grace_period * reduction_factor**k) it has not been judged at, the stopper records the
 trial's value at that rung and stops the trial if the value is below the rung's cutoff, the
 (1 - 1/reduction_factor) quantile of the values recorded there before it. A trial that
-reaches max_t stops too. This is Ray's single-bracket ASHA.
+reaches max_t stops too. This is Ray's ASHA. With `brackets=N`, bracket s has its first rung
+at grace_period * reduction_factor**s, and each trial runs in one bracket, judged against
+the trials of that bracket only; the bracket is drawn as Ray draws it (a bracket with more
+rungs is likelier), from a generator seeded by the trial's name, so that every driver of the
+sweep, and every restore, puts a trial in the same bracket.
 
 Several trial drivers write at once, so every record is a file of its own:
-`<sweep>/.unbroken/asha/rung_<milestone>/<trial>.json`, and a stop decision is
+`<sweep>/.unbroken/asha/rung_<milestone>/<trial>.json` (bracket 0; bracket s > 0 under
+`asha/bracket_<s>/`), and a stop decision is
 `<sweep>/.unbroken/asha/stopped/<trial>.json`. On local storage the read-decide-write step
 holds an exclusive lock (`asha/lock`), so each decision is a function of the records that
 were there at that moment. A trial resumed after a restore is not judged again at rungs it
@@ -21,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import random
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -40,8 +47,8 @@ class ASHAScheduler:
     `time_attr`: the row field that measures progress (default `training_iteration`);
     `metric`/`mode` default to TuneConfig's; `max_t`: every trial stops there;
     `grace_period`: the first rung; `reduction_factor`: rungs are grace_period *
-    reduction_factor**k and roughly 1/reduction_factor of the trials pass each one.
-    Only `brackets=1` is supported.
+    reduction_factor**k and roughly 1/reduction_factor of the trials pass each one;
+    `brackets`: how many brackets, each starting one rung higher (see the module docstring).
     """
 
     time_attr: str = "training_iteration"
@@ -63,23 +70,33 @@ class ASHAScheduler:
                              f"({self.max_t})")
         if not self.reduction_factor > 1:
             raise ValueError(f"ASHAScheduler reduction_factor must be > 1, got {self.reduction_factor!r}")
-        if self.brackets != 1:
-            raise ValueError(f"ASHAScheduler supports brackets=1 only, got {self.brackets!r}")
+        if isinstance(self.brackets, bool) or not isinstance(self.brackets, int) or self.brackets < 1:
+            raise ValueError(f"ASHAScheduler brackets must be an int >= 1, got {self.brackets!r}")
 
-    def milestones(self) -> list[float]:
-        """The rungs, lowest first (Ray's: every grace_period * rf**k up to max_t)."""
-        out, m = [], self.grace_period
+    def milestones(self, bracket: int = 0) -> list[float]:
+        """The rungs of `bracket`, lowest first (Ray's: every grace_period * rf**(k + bracket)
+        up to max_t)."""
+        out, m = [], self.grace_period * self.reduction_factor ** bracket
         while m <= self.max_t * (1 + 1e-9):
             out.append(m)
             m *= self.reduction_factor
         return out
 
+    def bracket_of(self, trial: str) -> int:
+        """The bracket `trial` runs in: bracket s with a probability proportional to
+        e**(its rungs - the most rungs of any bracket), as in Ray, drawn from the trial's name."""
+        if self.brackets == 1:
+            return 0
+        sizes = [len(self.milestones(s)) for s in range(self.brackets)]
+        weights = [math.exp(n - max(sizes)) for n in sizes]
+        return random.Random(zlib.crc32(trial.encode())).choices(range(self.brackets), weights)[0]
+
     def describe(self) -> dict[str, Any]:
         return {"kind": "asha", **asdict(self)}
 
 
-def _rung_dir(milestone: float) -> str:
-    return f"{ASHA_DIR}/rung_{milestone:g}"
+def _rung_dir(milestone: float, bracket: int = 0) -> str:
+    return f"{ASHA_DIR}/bracket_{bracket}/rung_{milestone:g}" if bracket else f"{ASHA_DIR}/rung_{milestone:g}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -103,8 +120,9 @@ def describe_decision(decision: dict[str, Any]) -> str:
     """Why a trial was stopped, in the metric's own terms: below the cutoff for mode="max",
     above it for mode="min"."""
     side = "above" if decision["value"] > decision["cutoff"] else "below"
+    bracket = f" of bracket {decision['bracket']}" if decision.get("bracket") else ""
     return (f"ASHA: {decision['metric']}={decision['value']:.6g} {side} the cutoff {decision['cutoff']:.6g} "
-            f"of rung {decision['rung']:g} ({decision['time_attr']}={decision['time']:g})")
+            f"of rung {decision['rung']:g}{bracket} ({decision['time_attr']}={decision['time']:g})")
 
 
 def forget_trial(storage: Storage, trial: str) -> None:
@@ -112,6 +130,9 @@ def forget_trial(storage: Storage, trial: str) -> None:
     for name in storage.listdir(ASHA_DIR):
         if name.startswith("rung_"):
             storage.remove(f"{ASHA_DIR}/{name}/{trial}.json")
+        elif name.startswith("bracket_"):
+            for rung in storage.listdir(f"{ASHA_DIR}/{name}"):
+                storage.remove(f"{ASHA_DIR}/{name}/{rung}/{trial}.json")
     storage.remove(f"{STOPPED_DIR}/{trial}.json")
 
 
@@ -169,7 +190,7 @@ class TrialStopper:
         if t >= sched.max_t:
             return True
         reward = value if self.mode == "max" else -value
-        for milestone in reversed(sched.milestones()):
+        for milestone in reversed(sched.milestones(sched.bracket_of(self.trial))):
             if t < milestone or milestone in self._recorded:
                 continue
             stop = self._judge(milestone, t, value, reward)
@@ -182,7 +203,8 @@ class TrialStopper:
 
     def _judge(self, milestone: float, t: float, value: float, reward: float) -> bool | None:
         """Record this trial at `milestone` and decide; None if it was recorded there already."""
-        storage, rung = self.storage, _rung_dir(milestone)
+        bracket = self.scheduler.bracket_of(self.trial)
+        storage, rung = self.storage, _rung_dir(milestone, bracket)
         mine = f"{rung}/{self.trial}.json"
         with self._lock():
             if storage.exists(mine):
@@ -204,7 +226,8 @@ class TrialStopper:
                 storage.write_json(f"{STOPPED_DIR}/{self.trial}.json", {
                     "rung": milestone, "time": t, "time_attr": self.scheduler.time_attr,
                     "metric": self.metric, "value": value,
-                    "cutoff": cutoff if self.mode == "max" else -cutoff, "reward": reward})
+                    "cutoff": cutoff if self.mode == "max" else -cutoff, "reward": reward,
+                    "bracket": bracket})
             storage.write_json(mine, {"reward": reward, "value": value, "time": t})
             return stop
 

@@ -33,6 +33,7 @@ from unbroken.store.pickled import SavedPickles, pickled_files, refuse_pickles, 
 from unbroken.store.storage import Storage, split_run_url
 from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
+from unbroken.tune.function_trainable import FunctionTrainable
 from unbroken.tune.trial import check_trainable, trainable_name
 from unbroken.tune.tune_config import TuneConfig
 
@@ -66,8 +67,12 @@ def encode_tuner(tuner: Any) -> SavedTuner:
         saved = encode_trainer(type(t), t._init_args)
         return SavedTuner(params, pickles, {"kind": "trainer", "name": type(t).__name__, **saved.fields},
                         saved.pickles)
+    record: dict[str, Any] = {"kind": "function", "name": trainable_name(t)}
+    if isinstance(t, FunctionTrainable) and t.parameters:  # never saved: a restore takes them again
+        record["parameters"] = sorted(t.parameters)
+        t = t.without_parameters()
     encode_or_pickle(t, "the Tuner's trainable", params, pickles, "trainable")
-    return SavedTuner(params, pickles, {"kind": "function", "name": trainable_name(t)}, None)
+    return SavedTuner(params, pickles, record, None)
 
 
 def write_tuner(storage: Storage, manifest: sw.SweepManifest, saved: SavedTuner) -> None:
@@ -152,6 +157,8 @@ class SavedSweep:
         what, respecify, notes = [], [], []
         if not trainable_given:
             t = m.trainable
+            if t.get("parameters"):
+                self.trainable()  # raises: its parameters were not saved
             if t.get("kind") == "function":
                 needed = "trainable" in m.pickled_params
             else:
@@ -198,6 +205,13 @@ class SavedSweep:
     def trainable(self) -> Any:
         t = self.manifest.trainable
         hint = "trainable=..."
+        if t.get("parameters"):
+            given = ", ".join(f"{name}=..." for name in t["parameters"])
+            raise RestoreArgumentError(
+                f"the trainable {t.get('name')!r} of the sweep at {self.path!r} was given objects with "
+                f"tune.with_parameters ({', '.join(t['parameters'])}), which are never saved. Hint: pass "
+                f"it again: Tuner.restore({self.path!r}, trainable=tune.with_parameters({t.get('name')}, "
+                f"{given}))")
         if t.get("kind") == "function":
             if "trainable" in self.manifest.params:
                 return self._decode("trainable", hint)

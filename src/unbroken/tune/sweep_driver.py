@@ -45,8 +45,9 @@ from unbroken.store import sweep_manifest as sw
 from unbroken.store.lease import Lease
 from unbroken.store.storage import Storage
 from unbroken.store.sweep_manifest import TrialRecord
-from unbroken.tune import asha
+from unbroken.tune import asha, gpu_slots
 from unbroken.tune import search_space as ss
+from unbroken.tune.gpu_slots import GpuSlots
 from unbroken.tune.search.searcher import SearchContext, Searcher
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_main, trial_run_config
 from unbroken.tune.trial_slots import TrialSlots, holding
@@ -111,6 +112,7 @@ class _Running:
     message: TrialOutcome | None = None
     conn_open: bool = True
     share: int = 0  # on a Ray cluster: the workers it may start with (counted until it is sized)
+    gpus: list[str] = field(default_factory=list)  # on the local engine: the GPUs it was given
 
 
 @dataclass
@@ -132,6 +134,7 @@ class SweepDriver:
     total: int
     verbose: int = 1
     slots: TrialSlots | None = None  # on a Ray cluster: the share of the cluster the next trial gets
+    gpus: GpuSlots | None = None  # on the local engine, when trials take GPUs: which are free
     queue: list[str] = field(default_factory=list)
     ctx: SearchContext | None = None
     _method: str = "fork"
@@ -253,6 +256,9 @@ class SweepDriver:
         url = self.storage.url(record.name)
         info = {"trial_name": record.name, "trial_id": f"{self.manifest.sweep_id[:8]}_{record.index:05d}",
                 "trial_dir": url}
+        env, gpus = engine_env(), self.gpus.take() if self.gpus is not None else None
+        if gpus is not None:
+            env[gpu_slots.ENV] = ",".join(gpus)
         # Forked when this process is fork-safe (as the local engine decides for its workers);
         # otherwise spawned, not taken from a forkserver: a forkserver's children keep it
         # alive, so they would not die with this driver, while a spawned trial's parent is this
@@ -262,7 +268,7 @@ class SweepDriver:
         ctx = mp.get_context(self._method)
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=trial_main, name=f"unbroken-trial-{record.name}",
-                           args=(Carried(TrialPayload(trainer, url, info, engine_env())), writer,
+                           args=(Carried(TrialPayload(trainer, url, info, env)), writer,
                                  os.getpid()))
         # Blocked around the fork: a signal meant for the sweep cannot hit the new process
         # while it still has the sweep driver's handlers; it is delivered after the fork.
@@ -274,7 +280,7 @@ class SweepDriver:
         writer.close()
         record.status, record.started_at, record.ended_at, record.error = sw.RUNNING, time.time(), None, None
         self.save()
-        return _Running(record, proc, reader, share=share or 0)
+        return _Running(record, proc, reader, share=share or 0, gpus=gpus or [])
 
     def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
         # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
@@ -387,6 +393,8 @@ class SweepDriver:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer
         cannot be built is recorded as ERROR and not counted)."""
         while len(running) < self.concurrency:
+            if self.gpus is not None and not self.gpus.trials:
+                return  # again once a trial ends and gives its GPUs back
             share = self._share(running)
             if share == 0:
                 return  # no room on the cluster now: again once a trial ends or shrinks
@@ -431,6 +439,8 @@ class SweepDriver:
                 if r.conn_open:
                     self._read(r)
                 del running[name]
+                if self.gpus is not None:
+                    self.gpus.give(r.gpus)
                 self._collect(r, stopping=stopping)
 
     def _finish(self) -> None:

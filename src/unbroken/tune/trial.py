@@ -33,6 +33,7 @@ from unbroken.store.lease import live_holder
 from unbroken.store.storage import Storage
 from unbroken.train import report
 from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
+from unbroken.tune.function_trainable import FunctionTrainable
 from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
 
 log = logging.getLogger("unbroken")
@@ -78,11 +79,19 @@ def check_param_space_keys(trainable: Any, space: dict[str, Any]) -> None:
                 "tune.loguniform(1e-4, 1e-1)}}")
 
 
+def trial_scaling(trainable: Any) -> ScalingConfig:
+    """What one trial's workers take: a Trainer's scaling_config, a function trainable's one
+    worker (with `tune.with_resources`' resources; 1 CPU by default)."""
+    if isinstance(trainable, BaseTrainer):
+        return trainable.scaling_config
+    if isinstance(trainable, FunctionTrainable):
+        return trainable.scaling_config()
+    return ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1})
+
+
 def cpus_per_trial(trainable: Any) -> float:
     """CPUs one trial takes: its workers times their CPU resources (1 each by default)."""
-    if not isinstance(trainable, BaseTrainer):
-        return 1.0
-    scaling = trainable.scaling_config
+    scaling = trial_scaling(trainable)
     per_worker = (scaling.resources_per_worker or {}).get("CPU") or 1
     return float(scaling.max_workers * per_worker)  # an elastic trial may grow to its most
 
@@ -154,8 +163,7 @@ def report_returned(value: Any) -> None:
 def build_trainer(trainable: Any, config: dict[str, Any], run_config: RunConfig) -> BaseTrainer:
     """The trainer that runs one trial with `config`."""
     if not isinstance(trainable, BaseTrainer):
-        one_cpu = ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1})
-        return FunctionTrainer(trainable, train_loop_config=config, scaling_config=one_cpu,
+        return FunctionTrainer(trainable, train_loop_config=config, scaling_config=trial_scaling(trainable),
                                run_config=run_config)
     args = dict(trainable._init_args)
     for key, value in config.items():

@@ -24,8 +24,9 @@ import random
 from typing import Any
 
 from unbroken.core.config import RunConfig, generated_name
-from unbroken.errors import RunExistsError, RunNotFoundError
-from unbroken.execution.engine.factory import check_can_run, cluster_slots
+from unbroken.errors import InsufficientResourcesError, RunExistsError, RunNotFoundError
+from unbroken.execution.engine.factory import check_can_run, cluster_slots, resolve_engine
+from unbroken.execution.engine.local import visible_gpus
 from unbroken.observe.progress import ensure_log_output
 from unbroken.run.identity import identity
 from unbroken.store import manifest as mf
@@ -35,6 +36,7 @@ from unbroken.store.storage import Storage
 from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
 from unbroken.tune.asha import ASHAScheduler
+from unbroken.tune.gpu_slots import GpuSlots
 from unbroken.tune.result_grid import ResultGrid
 from unbroken.tune.saved_sweep import (
     SavedSweep,
@@ -46,7 +48,13 @@ from unbroken.tune.schedulers import FIFOScheduler
 from unbroken.tune.search.basic_variant import BasicVariantGenerator
 from unbroken.tune.search.searcher import Searcher
 from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver, reconciled
-from unbroken.tune.trial import check_param_space_keys, check_trainable, cpus_per_trial, trainable_name
+from unbroken.tune.trial import (
+    check_param_space_keys,
+    check_trainable,
+    cpus_per_trial,
+    trainable_name,
+    trial_scaling,
+)
 from unbroken.tune.trial_slots import TrialSlots
 from unbroken.tune.tune_config import TuneConfig
 
@@ -149,8 +157,8 @@ class Tuner:
             storage = self._storage()
         path = storage.url()
         saved = encode_tuner(self)  # fails now if an argument cannot be saved
-        if isinstance(self.trainable, BaseTrainer):
-            check_can_run(self.trainable.scaling_config)  # e.g. use_gpu=True where no GPU is visible
+        check_can_run(trial_scaling(self.trainable))  # e.g. use_gpu=True where no GPU is visible
+        gpus = self._gpu_slots()
         total = self._searcher.total(self.param_space, tc.num_samples)
         self._searcher.check(storage, self.metric, self.mode)
         identity = self._identity()
@@ -177,8 +185,8 @@ class Tuner:
             driver = SweepDriver(
                 storage=storage, manifest=manifest, previous=previous, lease=lease, trainable=self.trainable,
                 space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
-                metric=self.metric, mode=self.mode, concurrency=self._concurrency(total, slots), total=total,
-                verbose=rc.verbose, slots=slots)
+                metric=self.metric, mode=self.mode, concurrency=self._concurrency(total, slots, gpus),
+                total=total, verbose=rc.verbose, slots=slots, gpus=gpus)
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)
             return driver
@@ -213,10 +221,23 @@ class Tuner:
         slots = cluster_slots(scaling)
         return None if slots is None else TrialSlots(slots, scaling.min_workers, scaling.max_workers)
 
-    def _concurrency(self, total: int, slots: TrialSlots | None) -> int:
+    def _gpu_slots(self) -> GpuSlots | None:
+        """On the local engine, when trials take GPUs: the GPUs that trials are given from."""
+        scaling = trial_scaling(self.trainable)
+        if resolve_engine(scaling) != "local":
+            return None
+        gpus = GpuSlots.of_machine(scaling, lambda: visible_gpus()[0])
+        if gpus is not None and not gpus.trials:
+            raise InsufficientResourcesError(
+                f"each trial takes {gpus.per_trial} GPUs, and this machine's processes see "
+                f"{len(gpus.free)} ({', '.join(gpus.free) or 'none'}). Hint: ask for fewer per trial, "
+                "or check CUDA_VISIBLE_DEVICES")
+        return gpus
+
+    def _concurrency(self, total: int, slots: TrialSlots | None, gpus: GpuSlots | None = None) -> int:
         """How many trials run at once: max_concurrent_trials (all, by default), and on the
-        local engine no more than this machine's CPUs hold (on a Ray cluster `slots` decides
-        as the trials run)."""
+        local engine no more than this machine's CPUs (and GPUs, when trials take them) hold
+        (on a Ray cluster `slots` decides as the trials run)."""
         if slots is not None:
             return max(1, min(self.tune_config.max_concurrent_trials or total, total))
         try:
@@ -224,6 +245,8 @@ class Tuner:
         except (AttributeError, OSError):
             cpus = os.cpu_count() or 1
         by_cpus = max(1, int(cpus // cpus_per_trial(self.trainable)))
+        if gpus is not None:
+            by_cpus = max(1, min(by_cpus, gpus.trials))
         wanted = self.tune_config.max_concurrent_trials or by_cpus
         if wanted > by_cpus:
             log.info("sweep %s: max_concurrent_trials=%d, but %d CPU(s) fit only %d trial(s) at once",

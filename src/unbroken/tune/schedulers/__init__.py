@@ -1,8 +1,9 @@
 """Trial schedulers for `TuneConfig(scheduler=...)` (Ray Tune's names).
 
 - `FIFOScheduler()`: every trial runs to its end (the default).
-- `ASHAScheduler(time_attr, metric, mode, max_t, grace_period, reduction_factor)`: early
-  stopping by asynchronous successive halving; `AsyncHyperBandScheduler` is the same class.
+- `ASHAScheduler(time_attr, metric, mode, max_t, grace_period, reduction_factor, brackets)`:
+  early stopping by asynchronous successive halving, in one bracket or several (asynchronous
+  HyperBand); `AsyncHyperBandScheduler` is the same class.
   Ray's module path works too: `unbroken.tune.schedulers.async_hyperband`.
 
 Ray's other schedulers (HyperBand, median stopping, population-based training, resource

@@ -1,0 +1,144 @@
+"""tune.with_parameters and tune.with_resources: objects handed to a function trainable without
+being saved anywhere, and the resources each trial takes (CPUs, GPUs given out per trial)."""
+
+import os
+import zlib
+
+import pytest
+
+from conftest import read_until, run_json, start_script, statuses
+from tune_loops import ACTIVE_ENV, BLOCK_ENV, gpu_env_loop, max_running, param_loop, tune_loop
+from unbroken import tune
+from unbroken.errors import InsufficientResourcesError, RestoreArgumentError
+from unbroken.train import DataParallelTrainer, RunConfig, ScalingConfig
+from unbroken.tune import Tuner
+from unbroken.tune.gpu_slots import GpuSlots, gpus_per_trial
+
+DATA = bytes(range(256)) * (12 << 10)  # 3 MiB, recognisable
+Y = zlib.crc32(DATA) % 1000
+
+DRIVER = """
+import sys
+from tune_loops import param_loop
+from test_tune_resources import DATA
+from unbroken import tune
+from unbroken.train import RunConfig
+grid = tune.Tuner(tune.with_parameters(param_loop, data=DATA),
+                  param_space={"x": tune.grid_search([1, 2, 3]), "iterations": 3, "echo": True},
+                  tune_config=tune.TuneConfig(max_concurrent_trials=1),
+                  run_config=RunConfig(name="params", storage_path=sys.argv[1])).fit()
+"""
+
+
+def stored_bytes(path: str) -> tuple[int, bool]:
+    """All bytes under `path`, and whether any file holds a piece of DATA."""
+    total, found = 0, False
+    piece = DATA[1000:1256]
+    for d, _, files in os.walk(path):
+        for name in files:
+            blob = open(os.path.join(d, name), "rb").read()
+            total += len(blob)
+            found = found or piece in blob
+    return total, found
+
+
+def test_with_parameters_hands_each_trial_the_objects_and_saves_them_nowhere(storage, tmp_path):
+    block = str(tmp_path / "block")
+    os.makedirs(block)
+    os.mkfifo(os.path.join(block, "trial_00001"))
+    path = os.path.join(storage, "params")
+    driver = start_script(DRIVER, storage, **{BLOCK_ENV: block})
+    read_until(driver, "trial_00001 BLOCKING")  # after its report 2
+    driver.kill()
+    driver.wait()
+    driver.stdout.close()
+    driver.stderr.close()
+    assert statuses(path) == {"trial_00000": "TERMINATED", "trial_00001": "RUNNING", "trial_00002": "PENDING"}
+    os.remove(os.path.join(block, "trial_00001"))
+
+    with pytest.raises(RestoreArgumentError, match=r"with_parameters.*Hint: pass it again.*data=\.\.\."):
+        Tuner.restore(path).fit()
+    grid = Tuner.restore(path, trainable=tune.with_parameters(param_loop, data=DATA)).fit()
+    assert [r.metrics["score"] for r in grid] == [x * 3 + Y for x in (1, 2, 3)]
+    assert grid.num_errors == 0
+    trial = run_json(os.path.join(path, "trial_00001"))
+    assert trial["must_respecify"] == ["train_loop_per_worker"]
+    assert [a["status"] for a in trial["attempts"]][-1] == "FINISHED" and len(trial["attempts"]) == 2
+    total, found = stored_bytes(path)
+    assert not found and total < len(DATA) // 4, (total, "the objects are in no file of the sweep")
+
+
+def test_with_parameters_and_with_resources_refuse_what_they_cannot_take():
+    with pytest.raises(ValueError, match="at least one keyword argument"):
+        tune.with_parameters(tune_loop)
+    with pytest.raises(ValueError, match="`config` is the trial's config"):
+        tune.with_parameters(tune_loop, config={})
+    with pytest.raises(TypeError, match="takes a function trainable, got a DataParallelTrainer"):
+        tune.with_resources(DataParallelTrainer(tune_loop), {"cpu": 1})
+    with pytest.raises(TypeError, match="takes a function"):
+        tune.with_parameters(Tuner, data=1)
+    with pytest.raises(TypeError, match="a function of the config"):
+        tune.with_resources(tune_loop, lambda config: {"cpu": 1})
+    with pytest.raises(ValueError, match="'cpu' must be a number >= 0"):
+        tune.with_resources(tune_loop, {"cpu": -1})
+    with pytest.raises(ValueError, match="runs on one worker"):
+        tune.with_resources(tune_loop, ScalingConfig(num_workers=2))
+    both = tune.with_resources(tune.with_parameters(param_loop, data=b"x"), {"cpu": 2, "gpu": 1, "custom": 3})
+    assert both.parameters == {"data": b"x"} and both.__name__ == "param_loop"
+    assert both.resources.resources_per_worker == {"CPU": 2, "GPU": 1, "custom": 3}
+    assert both.resources.use_gpu is True
+
+
+def test_with_resources_cpus_bound_how_many_trials_run_at_once(storage, tmp_path, monkeypatch):
+    active = str(tmp_path / "active")
+    monkeypatch.setenv(ACTIVE_ENV, active)
+    cpus = len(os.sched_getaffinity(0))
+    grid = Tuner(tune.with_resources(tune_loop, {"cpu": cpus}),
+                 param_space={"x": tune.grid_search([1, 2, 3])},
+                 run_config=RunConfig(name="wide", storage_path=storage)).fit()
+    assert grid.num_errors == 0 and max_running(active) == 1, "each trial takes every CPU"
+    scaling = run_json(os.path.join(storage, "wide", "trial_00000"))["params"]["scaling_config"]
+    assert scaling["fields"]["resources_per_worker"] == {"CPU": cpus}
+
+
+def test_a_trial_asking_for_gpus_where_none_is_visible_is_refused_before_anything_is_written(storage):
+    with pytest.raises(InsufficientResourcesError, match="no GPU is visible"):
+        Tuner(tune.with_resources(tune_loop, {"gpu": 1}),
+              run_config=RunConfig(name="gpu", storage_path=storage)).fit()
+    assert not os.path.exists(os.path.join(storage, "gpu"))
+
+
+def test_each_trial_sees_gpus_of_its_own(storage, tmp_path, monkeypatch):
+    # Four GPUs, as the machine's count says (faked: trials are forked from this process and
+    # inherit it); each trial takes two, so two run at once, each with a pair of its own.
+    from unbroken.execution.engine import local
+    from unbroken.tune import tuner
+
+    monkeypatch.setattr(local, "visible_gpus", lambda: (4, "faked"))
+    monkeypatch.setattr(tuner, "visible_gpus", lambda: (4, "faked"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    active = str(tmp_path / "active")
+    monkeypatch.setenv(ACTIVE_ENV, active)
+    grid = Tuner(tune.with_resources(gpu_env_loop, {"cpu": 0.1, "gpu": 2}),
+                 param_space={"x": tune.grid_search(list(range(6)))},
+                 run_config=RunConfig(name="gpus", storage_path=storage)).fit()
+    assert grid.num_errors == 0, grid.errors
+    seen = [r.metrics["gpus"] for r in grid]
+    assert set(seen) <= {"0,1", "2,3"} and len(seen) == 6, seen
+    assert max_running(active) <= 2
+
+
+def test_gpu_slots_share_out_the_visible_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus_per_trial(ScalingConfig(num_workers=3, use_gpu=True, resources_per_worker={"GPU": 0.5})) == 2
+    assert gpus_per_trial(ScalingConfig(num_workers=2)) == 0
+    slots = GpuSlots.of_machine(ScalingConfig(num_workers=2, use_gpu=True), lambda: 5)
+    assert slots.trials == 2
+    first, second = slots.take(), slots.take()
+    assert (first, second, slots.take()) == (["0", "1"], ["2", "3"], None)
+    slots.give(first)
+    assert slots.take() == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    given = GpuSlots.of_machine(ScalingConfig(num_workers=1, use_gpu=True), lambda: 0)
+    assert given.free == ["3", "5", "7"] and given.trials == 3
+    assert GpuSlots.of_machine(ScalingConfig(num_workers=1), lambda: 1 / 0) is None, "not asked without GPUs"
