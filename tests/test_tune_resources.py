@@ -1,13 +1,14 @@
-"""tune.with_parameters and tune.with_resources: objects handed to a function trainable without
-being saved anywhere, and the resources each trial takes (CPUs, GPUs given out per trial)."""
+"""tune.with_parameters, tune.with_resources and class trainables (tune.Trainable): objects
+handed to a trainable without being saved anywhere, the resources each trial takes (CPUs, GPUs
+given out per trial), and Ray Tune's class API resumed from its checkpoints."""
 
 import os
 import zlib
 
 import pytest
 
-from conftest import read_until, run_json, start_script, statuses
-from tune_loops import ACTIVE_ENV, BLOCK_ENV, gpu_env_loop, max_running, param_loop, tune_loop
+from conftest import read_until, run_json, run_script, start_script, statuses
+from tune_loops import ACTIVE_ENV, BLOCK_ENV, Counter, gpu_env_loop, max_running, param_loop, tune_loop
 from unbroken import tune
 from unbroken.errors import InsufficientResourcesError, RestoreArgumentError
 from unbroken.train import DataParallelTrainer, RunConfig, ScalingConfig
@@ -142,3 +143,55 @@ def test_gpu_slots_share_out_the_visible_gpus(monkeypatch):
     given = GpuSlots.of_machine(ScalingConfig(num_workers=1, use_gpu=True), lambda: 0)
     assert given.free == ["3", "5", "7"] and given.trials == 3
     assert GpuSlots.of_machine(ScalingConfig(num_workers=1), lambda: 1 / 0) is None, "not asked without GPUs"
+
+
+CLASS_DRIVER = """
+import sys
+from tune_loops import Counter
+from unbroken import tune
+from unbroken.train import CheckpointConfig, RunConfig
+grid = tune.Tuner(Counter, param_space={"x": tune.grid_search([1, 2])},
+                  tune_config=tune.TuneConfig(max_concurrent_trials=1),
+                  run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1],
+                                       checkpoint_config=CheckpointConfig(checkpoint_frequency=2))).fit()
+print("DONE", [r.trial_status for r in grid])
+"""
+
+
+def class_rows(result) -> list[tuple]:
+    return [(r["training_iteration"], r["it"], r["score"], r.get("checkpoint_dir_name")) for r in result.rows]
+
+
+@pytest.mark.parametrize("blocked", ["trial_00000", "trial_00001"])  # state as a dict, as a file
+def test_a_class_trainable_killed_mid_trial_resumes_from_its_checkpoint_exactly(storage, tmp_path, blocked):
+    block = str(tmp_path / "block")
+    os.makedirs(block)
+    os.mkfifo(os.path.join(block, blocked))
+    path = os.path.join(storage, "counter")
+    driver = start_script(CLASS_DRIVER, storage, "counter", **{BLOCK_ENV: block})
+    read_until(driver, f"{blocked} BLOCKING")  # step 3 reported, the checkpoint of step 2 committed
+    driver.kill()
+    driver.wait()
+    driver.stdout.close()
+    driver.stderr.close()
+    os.remove(os.path.join(block, blocked))
+    grid = Tuner.restore(path, Counter).fit()
+    reference = run_script(CLASS_DRIVER, storage, "counter-reference")
+    assert "DONE ['TERMINATED', 'TERMINATED']" in reference.stdout
+    want = Tuner.restore(os.path.join(storage, "counter-reference")).get_results()
+    assert [class_rows(r) for r in grid] == [class_rows(r) for r in want]
+    x = 1 if blocked == "trial_00000" else 2
+    assert [(it, score) for _, it, score, _ in class_rows(grid[x - 1])] == [(i, x * i) for i in range(1, 7)]
+    assert [c for *_, c in class_rows(grid[x - 1]) if c] == ["checkpoint_000002", "checkpoint_000004",
+                                                           "checkpoint_000006"], "every 2 steps, and at done"
+    trial = run_json(os.path.join(path, blocked))
+    assert [a["status"] for a in trial["attempts"]] == ["ABORTED", "FINISHED"]
+    assert trial["attempts"][1]["resumed_from"] == "checkpoint_000002"
+
+
+def test_with_parameters_reaches_a_class_trainable_s_setup(storage):
+    grid = Tuner(tune.with_parameters(Counter, offset=100), param_space={"x": 1, "iterations": 2},
+                 run_config=RunConfig(name="offset", storage_path=storage)).fit()
+    assert [r["score"] for r in grid[0].rows] == [101, 102]
+    with pytest.raises(TypeError, match="or a tune.Trainable subclass"):
+        Tuner(Tuner)

@@ -166,3 +166,37 @@ def gpu_env_loop(config: dict) -> None:
     finally:
         if active:
             _leave(active, trial)
+
+
+class Counter(tune.Trainable):
+    """A class trainable: each step adds x to a running total (score), for `iterations` steps
+    (then done=True). Its state is saved as a dict, or, with x == 2, as a file it writes. With
+    $TUNE_TEST_BLOCK_DIR holding a FIFO named after the trial, it prints "<trial> BLOCKING"
+    after step `block_it` (default 3) was reported and blocks reading it."""
+
+    def setup(self, config: dict, offset: int = 0) -> None:
+        self.x, self.total = config.get("x", 1), offset
+
+    def step(self) -> dict:
+        block = os.path.join(os.environ.get(BLOCK_ENV) or "/nonexistent", self.trial_name or "")
+        if self.iteration == self.config.get("block_it", 3) and os.path.exists(block):
+            print(f"{self.trial_name} BLOCKING", flush=True)
+            with open(block) as f:
+                f.read()
+        self.total += self.x
+        return {"score": self.total, "it": self.iteration + 1,
+                "done": self.iteration + 1 >= self.config.get("iterations", 6)}
+
+    def save_checkpoint(self, checkpoint_dir: str):
+        if self.x == 2:
+            with open(os.path.join(checkpoint_dir, "total.txt"), "w") as f:
+                f.write(str(self.total))
+            return None
+        return {"total": self.total}
+
+    def load_checkpoint(self, checkpoint) -> None:
+        if isinstance(checkpoint, str):
+            with open(os.path.join(checkpoint, "total.txt")) as f:
+                self.total = int(f.read())
+        else:
+            self.total = checkpoint["total"]

@@ -159,12 +159,16 @@ class CheckpointConfig:
     """Which committed checkpoints to keep (`num_to_keep`, ranked by
     `checkpoint_score_attribute` in `checkpoint_score_order`, as in Ray), and
     `mean_time_between_failures_s`: the MTBF that `TrainState.report(..., checkpoint="auto")`
-    and `unbroken show`'s advice assume until the run has failed (then: its own rate)."""
+    and `unbroken show`'s advice assume until the run has failed (then: its own rate).
+    `checkpoint_frequency` and `checkpoint_at_end`: for class trainables (`tune.Trainable`)
+    only, as in Ray: save every N steps (0: never), and with the step that returns done=True."""
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: Literal["max", "min"] = "max"
     mean_time_between_failures_s: float | None = None
+    checkpoint_frequency: int = 0
+    checkpoint_at_end: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None and self.num_to_keep < 1:
@@ -175,6 +179,10 @@ class CheckpointConfig:
                              "hour until the run has failed")
         if self.checkpoint_score_order not in ("max", "min"):
             raise ValueError("CheckpointConfig.checkpoint_score_order must be 'max' or 'min'")
+        if isinstance(self.checkpoint_frequency, bool) or not isinstance(self.checkpoint_frequency, int) \
+                or self.checkpoint_frequency < 0:
+            raise ValueError(f"CheckpointConfig.checkpoint_frequency must be an int >= 0 (steps between a "
+                             f"class trainable's checkpoints; 0: none), got {self.checkpoint_frequency!r}")
 
 
 def generated_name(prefix: str) -> str:

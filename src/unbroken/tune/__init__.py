@@ -4,7 +4,8 @@ Driver side: `Tuner(trainable, param_space=..., tune_config=TuneConfig(...),
 run_config=RunConfig(...)).fit() -> ResultGrid`, `Tuner.restore(path, trainable, ...)`,
 `Tuner.can_restore(path)`, and the search space: `grid_search`, `choice`, `uniform`,
 `quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `randn`; and
-what a function trainable is given besides its config: `with_parameters`, `with_resources`.
+what a function trainable is given besides its config: `with_parameters`, `with_resources`;
+`Trainable`, Ray Tune's class API.
 Search algorithms are in `unbroken.tune.search`, schedulers in `unbroken.tune.schedulers`.
 
 Worker side (inside the trainable): `report`, `get_checkpoint`, `get_context`, the same
@@ -31,11 +32,12 @@ from unbroken.tune.search_space import (
     randn,
     uniform,
 )
+from unbroken.tune.trainable import Trainable
 from unbroken.tune.tune_config import TuneConfig
 from unbroken.tune.tuner import Tuner
 
 __all__ = [
-    "ResultGrid", "TrialResult", "TuneConfig", "Tuner",
+    "ResultGrid", "Trainable", "TrialResult", "TuneConfig", "Tuner",
     "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qrandint", "quniform", "randint",
     "randn", "uniform", "with_parameters", "with_resources",
     "get_checkpoint", "get_context", "report",

@@ -20,6 +20,7 @@ from typing import Any
 
 from unbroken.core.config import ScalingConfig
 from unbroken.train.trainer import BaseTrainer
+from unbroken.tune.trainable import is_trainable_class
 
 _KNOWN = {"cpu": "CPU", "gpu": "GPU"}
 
@@ -87,8 +88,9 @@ def _function(trainable: Any, helper: str) -> FunctionTrainable:
         raise TypeError(f"tune.{helper} takes a function trainable, got a {type(trainable).__name__}. Hint: "
                         "a Trainer's scaling_config says what its trial takes, and its train_loop_config "
                         "what its function gets")
-    if isinstance(trainable, type) or not callable(trainable):
-        raise TypeError(f"tune.{helper} takes a function (config), got {trainable!r}")
+    if (isinstance(trainable, type) and not is_trainable_class(trainable)) or not callable(trainable):
+        raise TypeError(f"tune.{helper} takes a function (config) or a tune.Trainable subclass, got "
+                        f"{trainable!r}")
     return FunctionTrainable(trainable)
 
 

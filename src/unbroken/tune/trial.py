@@ -34,6 +34,7 @@ from unbroken.store.storage import Storage
 from unbroken.train import report
 from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
 from unbroken.tune.function_trainable import FunctionTrainable
+from unbroken.tune.trainable import ClassRunner, is_trainable_class
 from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
 
 log = logging.getLogger("unbroken")
@@ -47,12 +48,12 @@ DEFAULT_METRIC = "_metric"
 
 
 def check_trainable(trainable: Any) -> None:
-    if isinstance(trainable, BaseTrainer):
+    if isinstance(trainable, BaseTrainer) or is_trainable_class(trainable):
         return
     if isinstance(trainable, type):
-        raise TypeError(f"Tuner needs a function or a Trainer instance, got the class {trainable.__name__}. "
-                        f"Hint: pass {trainable.__name__}(...) built with its arguments, or a function "
-                        "(config) that calls tune.report or returns its metrics")
+        raise TypeError(f"Tuner needs a function, a Trainer instance or a tune.Trainable subclass, got the "
+                        f"class {trainable.__name__}. Hint: pass {trainable.__name__}(...) built with its "
+                        "arguments, or a function (config) that calls tune.report or returns its metrics")
     if not callable(trainable):
         raise TypeError(f"Tuner needs a function (config) or a Trainer instance, got {trainable!r}")
 
@@ -163,8 +164,8 @@ def report_returned(value: Any) -> None:
 def build_trainer(trainable: Any, config: dict[str, Any], run_config: RunConfig) -> BaseTrainer:
     """The trainer that runs one trial with `config`."""
     if not isinstance(trainable, BaseTrainer):
-        return FunctionTrainer(trainable, train_loop_config=config, scaling_config=trial_scaling(trainable),
-                               run_config=run_config)
+        return FunctionTrainer(_loop(trainable, run_config), train_loop_config=config,
+                               scaling_config=trial_scaling(trainable), run_config=run_config)
     args = dict(trainable._init_args)
     for key, value in config.items():
         args[key] = _merge(args.get(key), value)
@@ -175,6 +176,17 @@ def build_trainer(trainable: Any, config: dict[str, Any], run_config: RunConfig)
         args["scaling_config"] = dataclasses.replace(scaling, resources_per_worker={"CPU": 1})
     args["run_config"] = run_config
     return type(trainable)(**args)
+
+
+def _loop(trainable: Any, run_config: RunConfig) -> Any:
+    """What a function trainable's trial runs: the function, or a class trainable's runner."""
+    function, parameters = trainable, {}
+    if isinstance(trainable, FunctionTrainable):
+        function, parameters = trainable.function, trainable.parameters
+    if not is_trainable_class(function):
+        return trainable
+    checkpoints = run_config.checkpoint_config
+    return ClassRunner(function, parameters, checkpoints.checkpoint_frequency, checkpoints.checkpoint_at_end)
 
 
 # -- the trial's process ----------------------------------------------------------------------

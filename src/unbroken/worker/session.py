@@ -133,6 +133,10 @@ class TrainContext:
     def get_trial_id(self) -> str | None:
         return self.trial_id
 
+    def get_trial_dir(self) -> str | None:
+        """The trial's run directory (Ray Tune's name), or None outside a sweep."""
+        return self._info.trial_dir
+
     def get_storage_path(self) -> str:
         return self.storage_path
 
