@@ -584,11 +584,17 @@ print("DONE", len(grid), grid.num_terminated)
 """
 
 
-def study_trials(path, name):
+def load_study(path, name):
     import optuna
 
-    study = optuna.load_study(study_name=name, storage=f"sqlite:///{os.path.join(path, 'optuna.db')}")
-    return study.get_trials(deepcopy=False)
+    from unbroken.store.storage import Storage
+    from unbroken.tune.search.optuna_journal import study_storage
+
+    return optuna.load_study(study_name=name, storage=study_storage(Storage.from_url(path), optuna))
+
+
+def study_trials(path, name):
+    return load_study(path, name).get_trials(deepcopy=False)
 
 
 def test_optuna_sweep_killed_and_restored_reopens_the_same_study(storage, tmp_path):
@@ -625,7 +631,7 @@ def test_optuna_trial_asked_but_not_recorded_is_adopted(storage, caplog):
           run_config=RunConfig(name="orphan", storage_path=storage)).fit()
     path = os.path.join(storage, "orphan")
     # As if a driver died between asking the study and recording the trial in the manifest.
-    study = optuna.load_study(study_name="orphan", storage=f"sqlite:///{os.path.join(path, 'optuna.db')}")
+    study = load_study(path, "orphan")
     study.enqueue_trial({"x": 1.25, "y": 1})
     study.ask({"x": optuna.distributions.FloatDistribution(0, 4),
                "y": optuna.distributions.CategoricalDistribution([0, 1])})

@@ -15,10 +15,11 @@ sweep, and every restore, puts a trial in the same bracket.
 Several trial drivers write at once, so every record is a file of its own:
 `<sweep>/.unbroken/asha/rung_<milestone>/<trial>.json` (bracket 0; bracket s > 0 under
 `asha/bracket_<s>/`), and a stop decision is
-`<sweep>/.unbroken/asha/stopped/<trial>.json`. On local storage the read-decide-write step
-holds an exclusive lock (`asha/lock`), so each decision is a function of the records that
-were there at that moment. A trial resumed after a restore is not judged again at rungs it
-was recorded at, and a trial with a stop decision stays stopped.
+`<sweep>/.unbroken/asha/stopped/<trial>.json`. The read-decide-write step holds the sweep's
+ASHA lock (`asha/lock`: a file lock on local disks, a conditionally created object on object
+stores; see `store.storage_lock`), so each decision is a function of the records that were
+there at that moment, wherever the trials' drivers run. A trial resumed after a restore is
+not judged again at rungs it was recorded at, and a trial with a stop decision stays stopped.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import json
 import math
 import random
 import zlib
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from unbroken.core.config import stop_met
+from unbroken.store import storage_lock
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
 
@@ -231,18 +232,5 @@ class TrialStopper:
             storage.write_json(mine, {"reward": reward, "value": value, "time": t})
             return stop
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        storage = self.storage
-        if not storage.is_local:
-            yield  # object stores: no lock; two trials judged at the same moment may miss each other
-            return
-        import fcntl
-
-        storage.makedirs(ASHA_DIR)
-        with open(storage.path(f"{ASHA_DIR}/lock"), "a") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    def _lock(self) -> contextlib.AbstractContextManager[None]:
+        return storage_lock.held(self.storage, f"{ASHA_DIR}/lock")

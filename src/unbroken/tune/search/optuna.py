@@ -1,6 +1,7 @@
-"""Optuna as a search algorithm, with its study in SQLite inside the sweep directory.
+"""Optuna as a search algorithm, with its study inside the sweep directory.
 
-The study is a real database (`<sweep>/optuna.db`), so it resumes exactly: a restored sweep
+The study is Optuna's journal of its operations, kept as files in the sweep directory (see
+`optuna_journal`; on local disks and object stores alike), so it resumes exactly: a restored sweep
 reopens the same study, adopts trials that were asked but never recorded in the sweep
 manifest (the driver died in between), re-uses the recorded values of trials that were asked
 but have not finished, and tells the outcome of trials that finished while no driver was
@@ -17,14 +18,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.errors import SearchSpaceError, StorageError
+from unbroken.errors import SearchSpaceError
 from unbroken.execution.engine.local import mark_clean, start_method
 from unbroken.store.storage import Storage
 from unbroken.store.sweep_manifest import TrialRecord, trial_name
 from unbroken.tune import search_space as ss
+from unbroken.tune.search.optuna_journal import study_storage
 from unbroken.tune.search.searcher import SearchContext, Searcher, derive_seed
 
-DB = "optuna.db"
 TRIAL_ATTR = "unbroken_trial"
 RERUN_ATTR = "unbroken_rerun"
 
@@ -89,11 +90,6 @@ class OptunaSearch(Searcher):
 
     def check(self, storage: Storage, metric: str | None, mode: str | None) -> None:
         _import_optuna()
-        if not storage.is_local:
-            raise StorageError(
-                f"OptunaSearch keeps its study in SQLite inside the sweep directory, which must be on a "
-                f"local filesystem; {storage.url()!r} is not. Hint: use a local storage_path for "
-                "Optuna sweeps")
         if metric is None or mode is None:
             raise ValueError("OptunaSearch needs a metric and a mode. Hint: TuneConfig(metric='loss', "
                              "mode='min') or OptunaSearch(metric=..., mode=...)")
@@ -105,7 +101,7 @@ class OptunaSearch(Searcher):
         self._leaves = dict(ss.leaves(ctx.space))
         self._dists = {path: _distribution(path, leaf, optuna) for path, leaf in self._leaves.items()}
         self._study = optuna.create_study(
-            storage=f"sqlite:///{ctx.storage.path(DB)}", study_name=self.study_name or ctx.name,
+            storage=study_storage(ctx.storage, optuna), study_name=self.study_name or ctx.name,
             direction="maximize" if ctx.mode == "max" else "minimize", sampler=self.sampler,
             load_if_exists=True)
         known = {r.searcher_id for r in records if r.searcher_id is not None}
