@@ -200,3 +200,24 @@ class Counter(tune.Trainable):
                 self.total = int(f.read())
         else:
             self.total = checkpoint["total"]
+
+
+def pbt_loop(config: dict) -> None:
+    """A trial population-based training can improve: a weight that grows by the trial's `lr`
+    each step (score = the weight), checkpointed at every report and resumed from the latest
+    checkpoint, whose weight and step it takes. Deterministic."""
+    w, start = 0.0, 0
+    ckpt = tune.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+            saved = json.load(f)
+        w, start = saved["w"], saved["step"]
+    for step in range(start + 1, config.get("iterations", 8) + 1):
+        w = round(w + config["lr"], 6)
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "state.json"), "w") as f:
+                json.dump({"w": w, "step": step}, f)
+            tune.report({"score": w, "lr": config["lr"], "step": step},
+                        checkpoint=Checkpoint.from_directory(d))
+        if config.get("echo"):
+            print(f"{tune.get_context().get_trial_name()} REPORTED {step}", flush=True)

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from unbroken import __version__
-from unbroken.cli import goodput_view, inspection, sweep_view
+from unbroken.cli import attempts_view, goodput_view, inspection, sweep_view
 from unbroken.cli.tables import describe
 from unbroken.cli.tables import table as _table
 from unbroken.cli.tables import when as _when
@@ -185,7 +185,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         _print_json(s.to_json())
         return EXIT_OK
     _show_head(s)
-    _show_attempts(s)
+    attempts_view.show(s)
     print("\ntime (docs/guarantees.md#where-the-time-went)")
     print("\n".join(goodput_view.lines(s.time)))
     _show_checkpoints(s)
@@ -207,55 +207,6 @@ def _show_head(s: inspection.RunSummary) -> None:
         head.append(["driver", f"pid {s.driver.get('pid')} on {s.driver.get('host')} "
                                f"(heartbeat {age:.0f} s ago)"])
     print(_table(None, head))
-
-
-def _show_attempts(s: inspection.RunSummary) -> None:
-    """One row per attempt, then what the table has no room for: a changed configuration,
-    the just-in-time checkpoint (or why there was none), a hang, a slow rank."""
-    print("\nattempts")
-    rows = [[a["number"], a["status"], _when(a["started_at"]), _when(a["ended_at"]), a["num_workers"],
-             a["resumed_from"] or ("in place" if a.get("in_place") else "-"), a["error"] or "-"]
-            for a in s.attempts]
-    print(_table(["#", "STATUS", "STARTED", "ENDED", "WORKERS", "RESUMED FROM", "ERROR"], rows, indent=2)
-          if rows else "  none")
-    for previous, a in zip([None, *s.attempts], s.attempts, strict=False):
-        _show_attempt_notes(a, previous)
-
-
-def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> None:
-    if a.get("config_change"):
-        print(f"  attempt {a['number']} continued the run with a changed configuration:")
-        print("\n".join(f"  {line}" for line in mf.config_change_lines(a["config_change"])))
-    jit = a.get("jit_checkpoint")
-    if jit:
-        print(f"  attempt {a['number']}: " + (
-            f"rank {jit['rank']} saved iteration {jit['iteration']} just in time ({jit['seconds']} s)"
-            if jit["iteration"] is not None else f"no just-in-time checkpoint: {jit['why_not']}"))
-    hang = a.get("hang")
-    if hang:
-        print(f"  attempt {a['number']} hung waiting for rank(s) {hang['waited_for']}; stacks in "
-              f".unbroken/stacks/attempt-{a['number']:03d}/:")
-        for rank, at in hang["where"].items():
-            print(f"    rank {rank}: {at or 'no answer (stopped, or gone)'}")
-    peer = a.get("in_place")
-    if peer:
-        again = ", ".join(map(str, peer["replaced"])) or "none"
-        print(f"  attempt {a['number']}: recovered in place from iteration {peer['iteration']}: rank "
-              f"{peer['source']} sent its state; ranks started again: {again}")
-    elastic = a.get("elastic")
-    if elastic:
-        before = f", {elastic['previous']} before" if elastic.get("previous") else ""
-        gap = ""
-        if previous and previous.get("ended_at"):
-            seconds = a["started_at"] - previous["ended_at"]
-            gap = f"; began {seconds:.1f} s after attempt {previous['number']} ended"
-        print(f"  attempt {a['number']}: {a['num_workers']} workers, elastic: {elastic['reason']} "
-              f"({elastic['capacity']} could be placed{before}){gap}")
-    slow = (a.get("forward_s") or {}).get("straggler")
-    if slow:
-        own = a["forward_s"]["median_s"][slow["rank"]]
-        print(f"  attempt {a['number']}: rank {slow['rank']} was slow: {own:.3g} s per report in the "
-              f"model's forward pass, {slow['ratio']}x the other ranks' median")
 
 
 def _show_checkpoints(s: inspection.RunSummary) -> None:

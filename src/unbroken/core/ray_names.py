@@ -13,8 +13,8 @@ from unbroken.errors import UnsupportedAPIError
 
 _HYPERBAND = ("synchronous HyperBand is not provided. Hint: use ASHAScheduler(brackets=N) (asynchronous "
               "HyperBand: its brackets and early stopping, without waiting for a rung to fill)")
-_PBT = ("population-based training is not provided: trials share no weights or hyperparameters. Hint: "
-        "use ASHAScheduler to stop poor trials early")
+_PBT = ("only PopulationBasedTraining is provided. Hint: use PopulationBasedTraining(hyperparam_mutations="
+        "...) from unbroken.tune.schedulers")
 
 NOT_PROVIDED: dict[str, dict[str, str]] = {
     "unbroken.air": {
@@ -78,7 +78,6 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
         "HyperBandScheduler": _HYPERBAND,
         "HyperBandForBOHB": _HYPERBAND,
         "MedianStoppingRule": "Hint: use ASHAScheduler, or stop trials with RunConfig(stop=...)",
-        "PopulationBasedTraining": _PBT,
         "PopulationBasedTrainingReplay": _PBT,
         "PB2": _PBT,
         "TrialScheduler": "schedulers of your own are not supported. Hint: use FIFOScheduler or "

@@ -46,8 +46,9 @@ RESTARTED_DIR = f"{META_DIR}/restarted"
 
 # Trial statuses (Ray Tune's names, plus INTERRUPTED for a trial stopped by a signal).
 PENDING, RUNNING, TERMINATED, ERROR, INTERRUPTED = "PENDING", "RUNNING", "TERMINATED", "ERROR", "INTERRUPTED"
+PAUSED = "PAUSED"  # population-based training: stopped at a perturbation point, to run again
 DONE = (TERMINATED, ERROR)
-UNFINISHED = (PENDING, RUNNING, INTERRUPTED)
+UNFINISHED = (PENDING, RUNNING, INTERRUPTED, PAUSED)
 # Sweep statuses. INCOMPLETE: fit() ended with unfinished trials left unrun on purpose
 # (Tuner.restore(resume_unfinished=False)).
 SWEEP_RUNNING, SWEEP_FINISHED, SWEEP_INTERRUPTED, SWEEP_INCOMPLETE = (
@@ -68,6 +69,7 @@ class TrialRecord:
     error: str | None = None
     stopped_early: str | None = None   # why the scheduler stopped it (it is TERMINATED)
     reruns: int = 0                    # times an errored trial was resumed or restarted
+    overrides: dict[str, Any] | None = None  # config values population-based training set, by path
     restarts: int = 0                  # times it was restarted from scratch (old dir kept aside)
     started_at: float | None = None
     ended_at: float | None = None

@@ -12,6 +12,7 @@ from unbroken.run.result import Result
 from unbroken.store import manifest as mf
 from unbroken.store.storage import Storage
 from unbroken.store.sweep_manifest import ERROR, TERMINATED, SweepManifest, TrialRecord
+from unbroken.tune import pbt
 from unbroken.tune import search_space as ss
 
 
@@ -77,7 +78,7 @@ class ResultGrid:
             config = None
             if space is not None:
                 try:
-                    config = ss.resolve(space, record.values)
+                    config = pbt.apply(ss.resolve(space, record.values), record.overrides or {})
                 except UnbrokenError:
                     config = record.config
             results.append(trial_result(storage, record, config if space is not None else record.config))

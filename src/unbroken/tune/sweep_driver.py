@@ -22,7 +22,6 @@ continues from what is on disk.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -40,14 +39,16 @@ from unbroken.execution.engine.local import start_method
 from unbroken.execution.preemption import Interrupts
 from unbroken.observe.progress import clock, eta_s
 from unbroken.store import history
-from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.lease import Lease
 from unbroken.store.storage import Storage
 from unbroken.store.sweep_manifest import TrialRecord
-from unbroken.tune import asha, gpu_slots
+from unbroken.tune import asha, gpu_slots, pbt
 from unbroken.tune import search_space as ss
 from unbroken.tune.gpu_slots import GpuSlots
+from unbroken.tune.pbt import PopulationBasedTraining
+from unbroken.tune.population import PBTStopper, Population
+from unbroken.tune.reconcile import reconciled
 from unbroken.tune.search.searcher import SearchContext, Searcher
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_main, trial_run_config
 from unbroken.tune.trial_slots import TrialSlots, holding
@@ -66,42 +67,6 @@ class ResumeFlags:
     unfinished: bool = True
     errored: bool = False
     restart: bool = False
-
-
-def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRecord:
-    """An unfinished trial's record as its run directory has it: a driver that stopped (killed,
-    say, after the trial's run recorded its end but before the sweep manifest did) leaves the
-    manifest behind the run, and the run's own manifest is the authority on how far it got.
-    FINISHED -> TERMINATED, ERRORED -> ERROR, anything else (INTERRUPTED, or RUNNING with its
-    driver gone) -> INTERRUPTED, no run yet -> PENDING; a trial the scheduler stopped is
-    TERMINATED. A finished trial's record is returned as it is. Reads only: the caller decides
-    whether to record the result (only the driver holding the sweep's lease writes)."""
-    if record.status in sw.DONE:
-        return record
-    out = dataclasses.replace(record)
-    decision = asha.read_decision(storage, record.name) if scheduler is not None else None
-    trial = storage.child(record.name)
-    if decision is not None:
-        out.status, out.stopped_early = sw.TERMINATED, asha.describe_decision(decision)
-    elif not mf.is_run_dir(trial):
-        if out.status == sw.RUNNING:
-            out.status = sw.PENDING
-    else:
-        try:
-            run = mf.load(trial)
-        except (UnbrokenError, OSError) as e:
-            out.status, out.error = sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0]
-            return out
-        if run.status == mf.FINISHED:
-            out.status, out.error = sw.TERMINATED, None
-        elif run.status == mf.ERRORED:
-            out.status = sw.ERROR
-            out.error = next((a.error for a in reversed(run.attempts) if a.error), "the run is ERRORED")
-        else:
-            out.status = sw.INTERRUPTED
-    if out.status in sw.DONE:
-        out.ended_at = out.ended_at or time.time()
-    return out
 
 
 @dataclass
@@ -135,6 +100,7 @@ class SweepDriver:
     verbose: int = 1
     slots: TrialSlots | None = None  # on a Ray cluster: the share of the cluster the next trial gets
     gpus: GpuSlots | None = None  # on the local engine, when trials take GPUs: which are free
+    population: Population | None = None  # with population-based training (set by prepare)
     queue: list[str] = field(default_factory=list)
     ctx: SearchContext | None = None
     _method: str = "fork"
@@ -179,6 +145,12 @@ class SweepDriver:
         trials this fit() runs, and save."""
         m = self.manifest
         m.status = sw.SWEEP_RUNNING
+        if isinstance(self.scheduler, PopulationBasedTraining):
+            self.population = Population(self.storage, self.scheduler, self.metric or "", self.mode or "max",
+                                         m.seed, self._config_of)
+            for record in m.trials:
+                if record.status not in sw.DONE:
+                    self.population.catch_up(record.name)
         m.trials = [reconciled(self.storage, record, self.scheduler) for record in m.trials]
         self.ctx = SearchContext(storage=self.storage, name=m.name, space=self.space, seed=m.seed,
                                  metric=self.metric, mode=self.mode, num_samples=m.num_samples)
@@ -225,7 +197,7 @@ class SweepDriver:
     def _next(self) -> TrialRecord | None:
         while self.queue:
             record = self.manifest.trial(self.queue.pop(0))
-            if record is not None and record.status not in sw.DONE:
+            if record is not None and record.status not in (*sw.DONE, sw.PAUSED, sw.RUNNING):
                 return record
         if len(self.manifest.trials) < self.total:
             assert self.ctx is not None
@@ -235,14 +207,24 @@ class SweepDriver:
             return record
         return None
 
-    def _trainer(self, record: TrialRecord) -> Any:
+    def _config_of(self, name: str, with_overrides: bool = True) -> dict[str, Any]:
+        """A trial's config: as sampled, and as population-based training changed it since."""
+        record = self.manifest.trial(name)
+        assert record is not None, name
         config = ss.resolve(self.space, record.values)
+        if with_overrides and self.population is not None:
+            config = pbt.apply(config, self.population.overrides(name))
+        return config
+
+    def _trainer(self, record: TrialRecord) -> Any:
+        config = self._config_of(record.name)
         base = getattr(self.trainable, "run_config", None)
         user_stop = self.run_config.stop or (base.stop if base is not None else None)
-        stop = user_stop
-        if self.scheduler is not None:
-            stop = asha.TrialStopper(record.name, self.storage.url(), self.run_config.storage_filesystem,
-                                     self.scheduler, self.metric, self.mode, user_stop)
+        stop, url, fs = user_stop, self.storage.url(), self.run_config.storage_filesystem
+        if self.population is not None:
+            stop = PBTStopper(record.name, url, fs, self.population.scheduler, self.metric, user_stop)
+        elif self.scheduler is not None:
+            stop = asha.TrialStopper(record.name, url, fs, self.scheduler, self.metric, self.mode, user_stop)
         rc = trial_run_config(self.run_config, record.name, self.storage.url(), stop, base)
         return build_trainer(self.trainable, config, rc)
 
@@ -268,7 +250,8 @@ class SweepDriver:
         ctx = mp.get_context(self._method)
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=trial_main, name=f"unbroken-trial-{record.name}",
-                           args=(Carried(TrialPayload(trainer, url, info, env)), writer,
+                           args=(Carried(TrialPayload(trainer, url, info, env, self.population is not None)),
+                                 writer,
                                  os.getpid()))
         # Blocked around the fork: a signal meant for the sweep cannot hit the new process
         # while it still has the sweep driver's handlers; it is delivered after the fork.
@@ -321,7 +304,12 @@ class SweepDriver:
         """A trial process ended: record what became of the trial."""
         record, outcome = running.record, running.message
         exitcode = running.proc.exitcode
-        if isinstance(outcome, TrialDone):
+        paused = self.population is not None and self.population.pending(record.name) is not None
+        if paused and not stopping:  # it paused, whatever became of its driver after that
+            record.status, record.ended_at = sw.PAUSED, time.time()
+            self.save()
+            self._say("%s paused at its perturbation point; %s", record.name, self._progress())
+        elif isinstance(outcome, TrialDone):
             self._ended(record, sw.TERMINATED)
         elif isinstance(outcome, TrialInterrupted):
             self._ended(record, sw.INTERRUPTED)
@@ -392,6 +380,7 @@ class SweepDriver:
     def _start_trials(self, running: dict[str, _Running]) -> None:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer
         cannot be built is recorded as ERROR and not counted)."""
+        self._release_paused()
         while len(running) < self.concurrency:
             if self.gpus is not None and not self.gpus.trials:
                 return  # again once a trial ends and gives its GPUs back
@@ -405,6 +394,23 @@ class SweepDriver:
             if started is not None:
                 running[record.name] = started
                 self._say("%s started with %s; %s", record.name, record.config, self._progress())
+
+    def _release_paused(self) -> None:
+        """Decide for the paused trials of population-based training that can be (see
+        `Population.ready`) and queue them to run again, first (see `population`)."""
+        paused = [r for r in self.manifest.trials if r.status == sw.PAUSED]
+        if not paused or self.population is None or len(self.manifest.trials) < self.total:
+            return
+        unfinished = [r.name for r in self.manifest.trials if r.status not in sw.DONE]
+        for record in reversed([r for r in paused if self.population.ready(r.name, unfinished)]):
+            decision = self.population.decide(record.name) if self.population.pending(record.name) else {}
+            record.status, record.config = sw.PENDING, ss.spec(self._config_of(record.name))
+            record.overrides = self.population.overrides(record.name) or None
+            self.queue = [record.name] + [name for name in self.queue if name != record.name]
+            if decision.get("action") == "exploit":
+                self._say("%s exploits %s (%s) and continues with %s", record.name, decision["donor"],
+                          decision["checkpoint"], decision["overrides"])
+        self.save()
 
     def _share(self, running: dict[str, _Running]) -> int | None:
         """On a Ray cluster, the most workers the next trial may start with beside what the

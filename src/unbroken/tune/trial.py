@@ -196,6 +196,7 @@ class TrialPayload:
     path: str                 # the trial's run directory
     info: dict[str, Any]      # trial_name, trial_id, trial_dir for train.get_context()
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # set in the trial's process
+    continue_finished: bool = False  # population-based training: a paused (FINISHED) run goes on
 
 
 def _set_up_process(parent_pid: int | None) -> None:
@@ -239,7 +240,7 @@ def run_trial(payload: TrialPayload) -> str:
     storage = Storage.from_url(payload.path, trainer.run_config.storage_filesystem)
     if mf.is_run_dir(storage):
         _wait_for_previous_driver(storage)
-        if mf.load(storage).status == mf.FINISHED:
+        if mf.load(storage).status == mf.FINISHED and not payload.continue_finished:
             return mf.FINISHED
         # Every argument is re-specified, so nothing stored is unpickled (allow_pickle=False
         # makes sure of it, whatever the trial's run.json says), and a param_space constant

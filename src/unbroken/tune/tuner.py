@@ -37,6 +37,8 @@ from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
 from unbroken.tune.asha import ASHAScheduler
 from unbroken.tune.gpu_slots import GpuSlots
+from unbroken.tune.pbt import PopulationBasedTraining
+from unbroken.tune.reconcile import reconciled
 from unbroken.tune.result_grid import ResultGrid
 from unbroken.tune.saved_sweep import (
     SavedSweep,
@@ -47,7 +49,7 @@ from unbroken.tune.saved_sweep import (
 from unbroken.tune.schedulers import FIFOScheduler
 from unbroken.tune.search.basic_variant import BasicVariantGenerator
 from unbroken.tune.search.searcher import Searcher
-from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver, reconciled
+from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver
 from unbroken.tune.trial import (
     check_param_space_keys,
     check_trainable,
@@ -339,17 +341,17 @@ def _searcher(tc: TuneConfig) -> Searcher:
     return alg
 
 
-def _scheduler(tc: TuneConfig) -> ASHAScheduler | None:
+def _scheduler(tc: TuneConfig) -> ASHAScheduler | PopulationBasedTraining | None:
     sched = tc.scheduler
     if sched is None or isinstance(sched, FIFOScheduler):
         return None
-    if not isinstance(sched, ASHAScheduler):
-        raise TypeError(f"TuneConfig.scheduler must be ASHAScheduler or FIFOScheduler from "
-                        f"unbroken.tune.schedulers, got {type(sched).__name__}")
+    if not isinstance(sched, (ASHAScheduler, PopulationBasedTraining)):
+        raise TypeError(f"TuneConfig.scheduler must be ASHAScheduler, PopulationBasedTraining or "
+                        f"FIFOScheduler from unbroken.tune.schedulers, got {type(sched).__name__}")
     return sched
 
 
-def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: ASHAScheduler | None
+def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: ASHAScheduler | PopulationBasedTraining | None
                  ) -> tuple[str | None, str | None]:
     metric, mode = tc.metric, tc.mode
     for owner in (searcher, scheduler):
@@ -366,6 +368,7 @@ def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: ASHAScheduler | 
             else:
                 mode = value
     if scheduler is not None and (metric is None or mode is None):
-        raise ValueError("ASHAScheduler needs a metric and a mode. Hint: TuneConfig(metric='loss', "
-                         "mode='min', scheduler=ASHAScheduler(...))")
+        kind = type(scheduler).__name__
+        raise ValueError(f"{kind} needs a metric and a mode. Hint: TuneConfig(metric='loss', "
+                         f"mode='min', scheduler={kind}(...))")
     return metric, mode

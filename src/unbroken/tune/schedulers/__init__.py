@@ -6,8 +6,11 @@
   HyperBand); `AsyncHyperBandScheduler` is the same class.
   Ray's module path works too: `unbroken.tune.schedulers.async_hyperband`.
 
-Ray's other schedulers (HyperBand, median stopping, population-based training, resource
-changing) are refused at import with UnsupportedAPIError, which says what to use instead.
+- `PopulationBasedTraining(...)`: trials of the bottom quantile take over the checkpoint of
+  one of the top quantile and change their hyperparameters (see `unbroken.tune.population`).
+
+Ray's other schedulers (synchronous HyperBand, median stopping, PB2, resource changing) are
+refused at import with UnsupportedAPIError, which says what to use instead.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 from unbroken.core import ray_names as _ray_names
 from unbroken.tune.asha import ASHAScheduler
+from unbroken.tune.pbt import PopulationBasedTraining
 
 
 @dataclass
@@ -29,7 +33,7 @@ class FIFOScheduler:
 
 AsyncHyperBandScheduler = ASHAScheduler
 
-__all__ = ["ASHAScheduler", "AsyncHyperBandScheduler", "FIFOScheduler"]
+__all__ = ["ASHAScheduler", "AsyncHyperBandScheduler", "FIFOScheduler", "PopulationBasedTraining"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,61 @@
+"""How far an unfinished trial got, as its run directory has it.
+
+A sweep driver that stopped (killed, say, after a trial's run recorded its end but before the
+sweep manifest did) leaves the manifest behind the runs, and each run's own manifest is the
+authority on how far it got. A restore reconciles the two before anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from unbroken.errors import UnbrokenError
+from unbroken.store import manifest as mf
+from unbroken.store import sweep_manifest as sw
+from unbroken.store.storage import Storage
+from unbroken.store.sweep_manifest import TrialRecord
+from unbroken.tune import asha, population
+from unbroken.tune.pbt import PopulationBasedTraining
+
+
+def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRecord:
+    """An unfinished trial's record as its run directory has it (see the module docstring):
+    FINISHED -> TERMINATED, ERRORED -> ERROR, anything else (INTERRUPTED, or RUNNING with its
+    driver gone) -> INTERRUPTED, no run yet -> PENDING; a trial the scheduler stopped is
+    TERMINATED; with population-based training, a FINISHED run that paused is PAUSED, and
+    PENDING once the pause was decided and before it ran again. A finished trial's record is
+    returned as it is. Reads only: the caller decides whether to record the result (only the
+    driver holding the sweep's lease writes)."""
+    if record.status in sw.DONE:
+        return record
+    out = dataclasses.replace(record)
+    decision = asha.read_decision(storage, record.name) if isinstance(scheduler, asha.ASHAScheduler) else None
+    trial = storage.child(record.name)
+    if decision is not None:
+        out.status, out.stopped_early = sw.TERMINATED, asha.describe_decision(decision)
+    elif isinstance(scheduler, PopulationBasedTraining) and population.pending(storage, record.name,
+                                                                               scheduler):
+        out.status = sw.PAUSED  # it paused, whether or not its driver lived to record its run's end
+    elif not mf.is_run_dir(trial):
+        if out.status == sw.RUNNING:
+            out.status = sw.PENDING
+    else:
+        try:
+            run = mf.load(trial)
+        except (UnbrokenError, OSError) as e:
+            out.status, out.error = sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0]
+            return out
+        if run.status == mf.FINISHED and isinstance(scheduler, PopulationBasedTraining):
+            out.status, out.error = population.finished_status(storage, record.name, scheduler, run), None
+        elif run.status == mf.FINISHED:
+            out.status, out.error = sw.TERMINATED, None
+        elif run.status == mf.ERRORED:
+            out.status = sw.ERROR
+            out.error = next((a.error for a in reversed(run.attempts) if a.error), "the run is ERRORED")
+        else:
+            out.status = sw.INTERRUPTED
+    if out.status in sw.DONE:
+        out.ended_at = out.ended_at or time.time()
+    return out
