@@ -97,3 +97,13 @@ def test_pinned_buffers_are_asked_with_the_tensor_s_shape_and_type(monkeypatch):
     buffer = state_file._pinned_like(torch.ones(2, 5, dtype=torch.bfloat16))
     assert made == {"shape": (2, 5), "dtype": torch.bfloat16, "device": "cpu", "pin_memory": True}
     assert buffer.shape == (2, 5)
+
+
+def test_a_driver_that_started_cuda_starts_its_workers_from_a_forkserver(cuda, monkeypatch):
+    from unbroken.execution.engine import local
+
+    monkeypatch.delenv("UNBROKEN_START_METHOD", raising=False)
+    monkeypatch.setattr(local, "_thread_count", lambda: local._clean_threads)  # no other reason to avoid fork
+    assert local.start_method() == "forkserver", "a forked child cannot use CUDA its parent started"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert local.start_method() == "fork"

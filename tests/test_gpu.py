@@ -10,20 +10,18 @@ environment before CUDA starts: set here for the workers, which inherit it.
 """
 
 import os
-import statistics
-import time
 
 import pytest
 import torch
 
-from conftest import read_until, run_json, start_script
+from conftest import read_until, run_json, run_script, start_script
 from loops import device_loop, exact_loop
 from sharded_loops import fsdp_loop
-from unbroken.state.state_file import capture_rng, restore_rng, snapshot
+from unbroken.execution.engine.local import visible_gpus
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPUS = visible_gpus()[0]  # counted without starting CUDA here (NVML), as the engine counts them
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU")]
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="NCCL between two ranks needs two GPUs; this machine has one")
 
@@ -126,15 +124,23 @@ def test_the_driver_sigkilled_then_restored_resumes_bit_for_bit(storage, referen
     assert_same_run(result, reference)
 
 
+# In a process of its own: this one forks workers, which could not use CUDA had it started here.
+GENERATOR = """
+import torch
+from unbroken.state.state_file import capture_rng, restore_rng
+torch.cuda.manual_seed(5)
+torch.randn(3, device="cuda")
+state = capture_rng()
+assert "cuda" in state and state["cuda"]["state"].device.type == "cpu"
+want = torch.randn(4, device="cuda")
+torch.cuda.manual_seed(99)
+restore_rng(state)
+print("SAME", torch.equal(torch.randn(4, device="cuda"), want))
+"""
+
+
 def test_the_cuda_generator_is_captured_and_restored():
-    torch.cuda.manual_seed(5)
-    torch.randn(3, device="cuda")
-    state = capture_rng()
-    assert "cuda" in state and state["cuda"]["state"].device.type == "cpu"
-    want = torch.randn(4, device="cuda")
-    torch.cuda.manual_seed(99)
-    restore_rng(state)
-    assert torch.equal(torch.randn(4, device="cuda"), want)
+    assert "SAME True" in run_script(GENERATOR).stdout
 
 
 def test_a_checkpoint_on_the_gpu_holds_the_cuda_generator(reference):
@@ -143,21 +149,28 @@ def test_a_checkpoint_on_the_gpu_holds_the_cuda_generator(reference):
     assert "cuda" in final_state(reference)["rng_rank0.pt"]
 
 
-def test_an_asynchronous_save_snapshots_through_pinned_memory_and_its_stall_is_small():
-    state = {f"w{i}": torch.randn(64, 1024, 1024, device="cuda") for i in range(4)}  # 1 GiB
-    torch.cuda.synchronize()
-    pinned, plain = [], []
-    for _ in range(3):
-        began = time.perf_counter()
-        copy = snapshot(state)
-        pinned.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        {k: v.to("cpu", copy=True) for k, v in state.items()}
-        plain.append(time.perf_counter() - began)
-    assert all(t.is_pinned() and t.device.type == "cpu" for t in copy.values())
-    assert all(torch.equal(copy[k], state[k].cpu()) for k in state)
-    print(f"\n1 GiB snapshot: pinned {statistics.median(pinned):.3f} s, "
-          f"pageable {statistics.median(plain):.3f} s")
+SNAPSHOT = """
+import statistics, time
+import torch
+from unbroken.state.state_file import snapshot
+state = {f"w{i}": torch.randn(64, 1024, 1024, device="cuda") for i in range(4)}  # 1 GiB
+torch.cuda.synchronize()
+pinned, plain = [], []
+for _ in range(3):
+    began = time.perf_counter()
+    copy = snapshot(state)
+    pinned.append(time.perf_counter() - began)
+    began = time.perf_counter()
+    {k: v.to("cpu", copy=True) for k, v in state.items()}
+    plain.append(time.perf_counter() - began)
+assert all(t.is_pinned() and t.device.type == "cpu" for t in copy.values())
+assert all(torch.equal(copy[k], state[k].cpu()) for k in state)
+print(f"1 GiB snapshot: pinned {statistics.median(pinned):.3f} s, pageable {statistics.median(plain):.3f} s")
+"""
+
+
+def test_an_asynchronous_save_snapshots_through_pinned_memory_and_is_timed():
+    print("\n" + run_script(SNAPSHOT).stdout.strip())
 
 
 def test_a_run_with_asynchronous_saves_on_the_gpu_resumes_bit_for_bit(storage, reference):

@@ -57,13 +57,19 @@ def mark_clean() -> None:
 
 
 def start_method() -> str:
-    """'fork' while the driver has no threads beyond those it had when unbroken was imported."""
+    """'fork' while the driver has no threads beyond those it had when unbroken was imported,
+    and has not initialised CUDA (a forked child cannot use CUDA then)."""
     chosen = os.environ.get("UNBROKEN_START_METHOD")
     if chosen:
         return chosen
-    if sys.platform != "linux" or _thread_count() > _clean_threads:
+    if sys.platform != "linux" or _thread_count() > _clean_threads or _cuda_initialized():
         return "forkserver"
     return "fork"
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def visible_gpus() -> tuple[int, str]:
