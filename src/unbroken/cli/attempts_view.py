@@ -10,9 +10,8 @@ from unbroken.cli import inspection
 from unbroken.cli.tables import table as _table
 from unbroken.cli.tables import when as _when
 from unbroken.store import manifest as mf
+from unbroken.store.manifest import PBT_LINEAGE
 from unbroken.store.storage import Storage
-from unbroken.tune.pbt import differences
-from unbroken.tune.population import LINEAGE
 
 
 def show(s: inspection.RunSummary) -> None:
@@ -69,9 +68,11 @@ def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> N
 def _show_lineage(path: str) -> None:
     """Each exploit of a trial of population-based training (`.unbroken/pbt.json`)."""
     try:
-        lineage = json.loads(Storage.from_url(path).read_bytes(LINEAGE))
+        lineage = json.loads(Storage.from_url(path).read_bytes(PBT_LINEAGE))
     except (FileNotFoundError, ValueError):
         return
+    from unbroken.tune.pbt import differences  # only for a trial of PBT: importing tune takes a while
+
     print("\nlineage (population-based training)")
     def score(value: Any) -> str:
         return "-" if value is None else f"{value:.6g}"

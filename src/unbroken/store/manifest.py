@@ -38,6 +38,8 @@ ABORTED = "ABORTED"  # an attempt whose driver died (e.g. SIGKILL) before it cou
 RESIZED = "RESIZED"  # an attempt of an elastic run that stopped at a checkpoint to grow
 
 
+# A trial of population-based training: each exploit of its run (see unbroken.tune.population).
+PBT_LINEAGE = f"{META_DIR}/pbt.json"
 # Attempt fields left out of run.json while None, so that runs without them read as before.
 OPTIONAL_FIELDS = ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at", "hang",
                    "forward_s")

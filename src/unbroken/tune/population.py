@@ -46,7 +46,7 @@ from unbroken.tune import pbt
 from unbroken.tune.pbt import PopulationBasedTraining
 
 PBT_DIR = f"{META_DIR}/pbt"
-LINEAGE = f"{META_DIR}/pbt.json"  # in a trial's run directory
+LINEAGE = mf.PBT_LINEAGE  # in a trial's run directory
 
 
 def _read(storage: Storage, rel: str) -> Any:
