@@ -186,3 +186,17 @@ def test_asynchronous_pbt_of_a_trainer_decides_as_each_trial_pauses(tmp_path):
         rows = history.timeline(history.read_rows(Storage.from_url(result.path)))
         assert [r["training_iteration"] for r in rows] == list(range(1, 7))
     assert grid[0].config["train_loop_config"]["lr"] == grid[0].metrics["lr"] or exploits[-1]["t"] == 6
+
+
+def test_a_trial_restarted_from_scratch_forgets_its_pauses_and_decisions(tmp_path):
+    from unbroken.tune.population import PBT_DIR, Population, state
+
+    sched = PopulationBasedTraining(perturbation_interval=2, hyperparam_mutations={"lr": [0.1, 0.2]})
+    storage = Storage.from_url(str(tmp_path))
+    for rel in ("rounds/trial_00001-0001.json", "rounds/trial_00011-0001.json",
+                "decisions/trial_00001-0001.json", "paused/trial_00001.json", "state/trial_00001.json"):
+        storage.makedirs(f"{PBT_DIR}/{rel.split('/')[0]}")
+        storage.write_json(f"{PBT_DIR}/{rel}", {"round": 1, "next": 4, "overrides": {"lr": 0.2}})
+    Population(storage, sched, "score", "max", 0, lambda name, with_overrides: {}).forget("trial_00001")
+    assert storage.walk_files(PBT_DIR) == ["rounds/trial_00011-0001.json"], "another trial's stays"
+    assert state(storage, "trial_00001", sched) == {"round": 0, "next": 2, "overrides": {}}

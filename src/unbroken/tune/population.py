@@ -160,6 +160,15 @@ class Population:
             return  # not committed: the trial redoes the row, and pauses then
         record_pause(self.storage, trial, st["round"] + 1, last, self.metric, t)
 
+    def forget(self, trial: str) -> None:
+        """Remove the trial's pauses, decisions and state (it is restarted from scratch)."""
+        for folder in ("rounds", "decisions"):
+            for name in self.storage.listdir(f"{PBT_DIR}/{folder}"):
+                if name.startswith(f"{trial}-"):
+                    self.storage.remove(f"{PBT_DIR}/{folder}/{name}")
+        self.storage.remove(f"{PBT_DIR}/paused/{trial}.json")
+        self.storage.remove(f"{PBT_DIR}/state/{trial}.json")
+
     def overrides(self, trial: str) -> dict[str, Any]:
         return state(self.storage, trial, self.scheduler)["overrides"]
 

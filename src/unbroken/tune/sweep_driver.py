@@ -189,7 +189,10 @@ class SweepDriver:
                 self.storage.rename(record.name, aside)
                 log.info("sweep %s: %s restarts from scratch; its old run is kept in %s",
                          self.name, record.name, aside)
-            if self.scheduler is not None:
+            if self.population is not None:
+                self.population.forget(record.name)
+                record.overrides = None
+            elif self.scheduler is not None:
                 asha.forget_trial(self.storage, record.name)
         record.status, record.error, record.stopped_early, record.told = sw.PENDING, None, None, False
 
