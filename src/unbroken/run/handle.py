@@ -143,10 +143,12 @@ class Run:
             row["time_checkpoint_s"] = save_s
         if forward_s:
             self._stragglers.add(forward_s)
-            self.attempt.forward_s = self._stragglers.summary() or self.attempt.forward_s
-            straggler = self._stragglers.straggler()
-            if straggler is not None:
-                row.update(straggler_rank=straggler.rank, straggler_ratio=straggler.ratio)
+            summary = self._stragglers.summary()
+            if summary is not None:
+                self.attempt.forward_s = summary
+                if summary["straggler"] is not None:
+                    row.update(straggler_rank=summary["straggler"]["rank"],
+                               straggler_ratio=summary["straggler"]["ratio"])
         self._last_report_t = now
         self.history.append(row)
         self.callbacks.result(row)

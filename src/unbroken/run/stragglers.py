@@ -54,9 +54,10 @@ class Stragglers:
         return {rank: statistics.median(s) for rank, s in sorted(self._seconds.items())
                 if len(s) >= self.min_reports}
 
-    def straggler(self) -> Straggler | None:
-        """The slowest rank, when it is at least `ratio` times as slow as the others."""
-        medians = self.medians()
+    def straggler(self, medians: dict[int, float] | None = None) -> Straggler | None:
+        """The slowest rank, when it is at least `ratio` times as slow as the others (from
+        `medians` when given: what `medians()` returns now)."""
+        medians = self.medians() if medians is None else medians
         if len(medians) < 2:
             return None
         slowest = max(medians, key=medians.__getitem__)
@@ -73,7 +74,7 @@ class Stragglers:
         medians = self.medians()
         if not medians:
             return None
-        straggler = self.straggler()
+        straggler = self.straggler(medians)
         return {"median_s": [round(medians[r], 6) if r in medians else None
                              for r in range(self._ranks)],
                 "straggler": asdict(straggler) if straggler else None}
