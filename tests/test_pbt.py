@@ -88,7 +88,9 @@ def test_weak_trials_take_over_a_strong_checkpoint_and_change_their_hyperparamet
     assert max(score for _, score, _ in final) >= 0.4 * 8 - 1e-9
 
 
-@pytest.mark.parametrize("fault", ["pbt_decided:1:kill", "pbt_cloned:1:kill", "pbt_decided:3:kill"])
+@pytest.mark.parametrize("fault", [
+    pytest.param("pbt_decided:1:kill", marks=pytest.mark.slow), "pbt_cloned:1:kill",
+    pytest.param("pbt_decided:3:kill", marks=pytest.mark.slow)])
 def test_a_sweep_driver_killed_while_it_applies_a_decision_resumes_to_the_same_population(
         reference, tmp_path, fault):
     storage, done = reference
