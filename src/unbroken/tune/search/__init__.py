@@ -2,7 +2,7 @@
 
 - `BasicVariantGenerator(random_state=None)`: random and grid search (the default).
 - `OptunaSearch(metric=None, mode=None, sampler=None, study_name=None)`: an Optuna study
-  kept in SQLite inside the sweep directory (needs `pip install 'unbroken[tune]'`; optuna
+  kept as a journal inside the sweep directory (needs `pip install 'unbroken[tune]'`; optuna
   is imported only when a sweep uses it). Also importable as
   `unbroken.tune.search.optuna.OptunaSearch`, as in Ray.
 """

@@ -3,7 +3,7 @@
 A searcher proposes the stored values of new trials (see `search_space`) and learns from
 finished ones. Whatever state it needs to propose after a restore exactly what it would
 have proposed without one lives in the sweep directory: the basic generator needs only the
-seed in the sweep manifest; Optuna keeps its study in a SQLite file there.
+seed in the sweep manifest; Optuna keeps its study there as a journal (`optuna_journal`).
 """
 
 from __future__ import annotations
