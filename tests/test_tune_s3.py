@@ -55,9 +55,9 @@ def test_optuna_and_asha_sweep_on_s3_restores_on_a_fresh_machine_from_the_bucket
     assert any(k.startswith(".unbroken/optuna/") for k in stored) and "optuna.db" not in stored
 
     restored = run_script(SWEEP, storage, "sweep", "restore", **fresh_machine(tmp_path, s3_endpoint, "b"))
-    reference = run_script(SWEEP, storage, "reference", "fit", **fresh_machine(tmp_path, s3_endpoint, "c"))
+    reference = run_script(SWEEP, str(tmp_path / "local"), "reference", "fit")  # on a local disk: quicker
     got, want = done_line(restored.stdout), done_line(reference.stdout)
-    assert got == want, "the restored sweep proposed, stopped and scored what the uninterrupted one did"
+    assert got == want, "the restored sweep proposed, stopped and scored what an uninterrupted one does"
     trials = json.loads(got[len("DONE "):].replace("(", "[").replace(")", "]").replace("'", '"'))
     assert [t[0] for t in trials] == ["TERMINATED"] * 5
     assert any(len(t[3]) < 4 for t in trials), "ASHA stopped a trial early"
