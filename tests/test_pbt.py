@@ -3,6 +3,7 @@ strong trial's checkpoint and change their hyperparameters; the decisions are re
 they are applied, so a sweep driver killed at any moment resumes to the same population.
 Every trial is a real run driven by its own process."""
 
+import ast
 import json
 import os
 import random
@@ -77,7 +78,7 @@ def test_weak_trials_take_over_a_strong_checkpoint_and_change_their_hyperparamet
     assert "lineage (population-based training)" in shown
     assert (f"round 1 at 2: took trial_00003/checkpoint_000002 (score 0.8 against its 0.2), then "
             f'{{"lr": {first["new_config"]["lr"]}}}') in shown
-    final = eval(done[len("DONE "):])
+    final = ast.literal_eval(done[len("DONE "):])
     assert all(step == 8 for _, _, step in final)
     assert final[0][0] == exploits["trial_00000"][-1]["new_config"]["lr"], "the config it ended with"
     for trial, (lr, _, _) in zip(sorted(exploits), final, strict=True):

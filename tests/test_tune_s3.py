@@ -3,7 +3,7 @@ as a journal in the bucket and ASHA's judgements under a lock object, a sweep dr
 mid-way and restored on a fresh machine from the bucket alone. Each driver runs in a process
 of its own, as in test_s3."""
 
-import json
+import ast
 import os
 import uuid
 
@@ -58,7 +58,7 @@ def test_optuna_and_asha_sweep_on_s3_restores_on_a_fresh_machine_from_the_bucket
     reference = run_script(SWEEP, str(tmp_path / "local"), "reference", "fit")  # on a local disk: quicker
     got, want = done_line(restored.stdout), done_line(reference.stdout)
     assert got == want, "the restored sweep proposed, stopped and scored what an uninterrupted one does"
-    trials = json.loads(got[len("DONE "):].replace("(", "[").replace(")", "]").replace("'", '"'))
+    trials = ast.literal_eval(got[len("DONE "):])
     assert [t[0] for t in trials] == ["TERMINATED"] * 5
     assert any(len(t[3]) < 4 for t in trials), "ASHA stopped a trial early"
     assert ".unbroken/asha/lock" not in keys(s3_endpoint, f"{storage}/sweep"), "the lock was released"
