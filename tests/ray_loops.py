@@ -23,3 +23,12 @@ def placed_loop(config: dict) -> None:
     with open(os.path.join(config["dir"], f"rank{rank}-a{attempt}.json"), "w") as f:
         json.dump(where, f)
     linear_loop(config)
+
+
+def pinned_loop(config: dict) -> None:
+    """`linear_loop`, whose fault knobs act only on a worker that holds the custom resource
+    `config["faults_on"]` (a node's name): a sweep's trials pinned to different nodes share
+    one config."""
+    if config.get("faults_on") not in ray.get_runtime_context().get_assigned_resources():
+        config = {key: value for key, value in config.items() if not key.endswith("_at")}
+    linear_loop(config)

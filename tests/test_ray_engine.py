@@ -15,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from conftest import read_until, s3_env, start_script  # noqa: E402
+from conftest import read_until, s3_env, start_script, sweep_json  # noqa: E402
 from loops import final_weights  # noqa: E402
 from ray_loops import placed_loop  # noqa: E402
 from test_exact_resume import BASE, assert_same_run, exact_loop  # noqa: E402
@@ -537,6 +537,54 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, t
     assert placements_of(str(tmp_path), 1)[0]["node_id"] in workers  # trials' ranks ran as actors
     assert all(final_weights(r) for r in grid)
     assert tune.Tuner.restore(os.path.join(storage, "sweep"), base).fit().num_terminated == 3
+
+
+def test_a_lost_node_costs_only_the_trial_placed_on_it_its_progress_since_its_checkpoint(
+        cluster, storage, tmp_path):
+    """Two trials, each pinned whole (its driver actor and its worker) to one node. node_b is
+    removed while its trial is at iteration 3, past its checkpoint at 2: that trial's driver
+    is relaunched on the node that replaces it and resumes from checkpoint 2; the trial on
+    node_a never notices. Each iteration once in both."""
+    marker = str(tmp_path / "hung")
+    fifo = marker_fifo(marker)
+    sweep = start_script(f"""
+from ray_loops import pinned_loop
+from unbroken import tune
+from unbroken.train import RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+
+def pinned(node):
+    return ScalingConfig(num_workers=1, engine="ray", resources_per_worker={{"CPU": 1, node: 0.01}},
+                         trainer_resources={{node: 0.01}})
+
+base = TorchTrainer(pinned_loop, train_loop_config={{"iterations": 6, "ckpt_every": 1, "hang_at": [3, 1],
+                                                    "hang_marker": {marker!r}, "faults_on": "node_b"}},
+                    scaling_config=ScalingConfig(num_workers=1, engine="ray"))
+space = {{"scaling_config": tune.grid_search([pinned("node_a"), pinned("node_b")])}}
+grid = tune.Tuner(base, param_space=space,
+                  tune_config=tune.TuneConfig(max_concurrent_trials=2),
+                  run_config=RunConfig(name="lost-trial", storage_path={storage!r}, verbose=0)).fit()
+print("ERRORS", [str(e).splitlines()[0] for e in grid.errors])
+""", RAY_ADDRESS=cluster.address)
+    read_marker(fifo, sweep, "the trial on node_b to block at iteration 3")
+    lost = node_named("node_b")
+    replace_node(cluster, lost)
+    out, err = sweep.communicate(timeout=180)
+    assert sweep.returncode == 0 and "ERRORS []" in out, out.split("ERRORS")[-1][:2000]
+    path = os.path.join(storage, "lost-trial")
+    on_a, on_b = sweep_json(path)["trials"]
+    assert on_a["status"] == on_b["status"] == "TERMINATED"
+    for record in (on_a, on_b):
+        assert record["driver"]["pid"] != os.getpid(), "each trial's driver was an actor, not this process"
+        rows = [json.loads(line) for line in open(os.path.join(path, record["name"], "result.json"))]
+        timeline = {r["training_iteration"]: r for r in rows}
+        assert sorted(timeline) == list(range(1, 7))
+    assert on_a["relaunches"] == 0 and len(attempts_at(os.path.join(path, on_a["name"]))) == 1
+    assert on_b["relaunches"] == 1 and on_b["driver"]["node_id"] not in (lost, on_a["driver"]["node_id"])
+    assert on_a["driver"]["node_id"] == node_named("node_a")
+    first, second = attempts_at(os.path.join(path, on_b["name"]))
+    assert first["status"] != "FINISHED" and second["resumed_from"] == "checkpoint_000002"
+    assert "lost" in err and "runs again from its last checkpoint" in err
 
 
 @pytest.mark.slow  # 30 s; TrialSlots' arithmetic is unit-tested in test_elastic

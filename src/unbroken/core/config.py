@@ -27,8 +27,9 @@ class ScalingConfig:
     called `ray.init()`, else local. `placement_strategy` and `accelerator_type` mean what
     they mean in Ray (a placement group's strategy; a node's accelerator type) and are
     accepted but have no effect on the local engine, where every rank is on this machine.
-    `trainer_resources` (Ray Train V1) is accepted with a warning and has no effect: the
-    driver runs in the calling process and takes no resources of its own (Ray V2 refuses it).
+    `trainer_resources` (Ray Train V1): what each trial's driver actor holds in a sweep on a
+    Ray cluster (nothing by default). A single run's driver runs in the calling process and
+    takes no resources of its own, so there it has no effect (with a warning; Ray V2 refuses it).
 
     Elastic training (Ray V2's names): `num_workers=(min_workers, max_workers)` runs on as
     many workers as can be placed, between the two. A run starts with what is there (at
@@ -69,8 +70,9 @@ class ScalingConfig:
             raise ValueError(f"ScalingConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                              f"got {self.placement_strategy!r}")
         if self.trainer_resources is not None:
-            log.warning("ScalingConfig(trainer_resources=%r) has no effect: the driver runs in the "
-                        "calling process and takes no resources of its own", self.trainer_resources)
+            log.warning("ScalingConfig(trainer_resources=%r) has no effect on a single run, whose driver "
+                        "runs in the calling process; in a sweep on a Ray cluster each trial's driver "
+                        "actor holds them", self.trainer_resources)
 
     @property
     def elasticity_enabled(self) -> bool:

@@ -71,6 +71,8 @@ class TrialRecord:
     reruns: int = 0                    # times an errored trial was resumed or restarted
     overrides: dict[str, Any] | None = None  # config values population-based training set, by path
     restarts: int = 0                  # times it was restarted from scratch (old dir kept aside)
+    driver: dict[str, Any] | None = None  # on a Ray cluster: its driver actor's node_id, address, pid
+    relaunches: int = 0                # times it ran again because its driver was lost with its node
     started_at: float | None = None
     ended_at: float | None = None
 

@@ -25,17 +25,15 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
-import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.core import faults
-from unbroken.core.processes import Carried
 from unbroken.errors import TrainingInterruptedError, UnbrokenError
 from unbroken.execution.engine.factory import engine_env
-from unbroken.execution.engine.local import start_method
 from unbroken.execution.preemption import Interrupts
 from unbroken.observe.progress import clock, eta_s
 from unbroken.store import history
@@ -50,14 +48,16 @@ from unbroken.tune.pbt import PopulationBasedTraining
 from unbroken.tune.population import PBTStopper, Population
 from unbroken.tune.reconcile import reconciled
 from unbroken.tune.search.searcher import SearchContext, Searcher
-from unbroken.tune.trial import TrialPayload, build_trainer, trial_main, trial_run_config
+from unbroken.tune.trial import TrialPayload, build_trainer, trial_run_config
+from unbroken.tune.trial_process import LocalTrialProcess
 from unbroken.tune.trial_slots import TrialSlots, holding
-from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
+from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome, TrialPlaced
 
 log = logging.getLogger("unbroken")
 
 POLL_S = 1.0
-_TERMINAL = (signal.SIGTERM, signal.SIGINT)
+# How many times a trial whose driver was lost with its node runs again before it errs.
+MAX_RELAUNCHES = 10
 
 
 @dataclass
@@ -72,8 +72,7 @@ class ResumeFlags:
 @dataclass
 class _Running:
     record: TrialRecord
-    proc: Any
-    conn: Any
+    proc: Any  # a LocalTrialProcess or a RayTrialProcess (see trial_process)
     message: TrialOutcome | None = None
     conn_open: bool = True
     share: int = 0  # on a Ray cluster: the workers it may start with (counted until it is sized)
@@ -101,9 +100,10 @@ class SweepDriver:
     slots: TrialSlots | None = None  # on a Ray cluster: the share of the cluster the next trial gets
     gpus: GpuSlots | None = None  # on the local engine, when trials take GPUs: which are free
     population: Population | None = None  # with population-based training (set by prepare)
+    on_ray: bool = False  # trials' drivers are actors of the Ray cluster (ray_trial_process)
     queue: list[str] = field(default_factory=list)
+    relaunching: dict[str, Callable[[], bool]] = field(default_factory=dict)  # queued after a lost driver
     ctx: SearchContext | None = None
-    _method: str = "fork"
     _t0: float = 0.0  # when execute() began (monotonic)
     _done_at_start: int = 0  # trials already done then
 
@@ -198,8 +198,13 @@ class SweepDriver:
 
     # -- running ----------------------------------------------------------------------------
     def _next(self) -> TrialRecord | None:
-        while self.queue:
-            record = self.manifest.trial(self.queue.pop(0))
+        for name in list(self.queue):
+            ready = self.relaunching.get(name)
+            if ready is not None and not ready():
+                continue  # its driver's node was lost a moment ago (see `_relaunch`)
+            self.relaunching.pop(name, None)
+            self.queue.remove(name)
+            record = self.manifest.trial(name)
             if record is not None and record.status not in (*sw.DONE, sw.PAUSED, sw.RUNNING):
                 return record
         if len(self.manifest.trials) < self.total:
@@ -244,29 +249,18 @@ class SweepDriver:
         env, gpus = engine_env(), self.gpus.take() if self.gpus is not None else None
         if gpus is not None:
             env[gpu_slots.ENV] = ",".join(gpus)
-        # Forked when this process is fork-safe (as the local engine decides for its workers);
-        # otherwise spawned, not taken from a forkserver: a forkserver's children keep it
-        # alive, so they would not die with this driver, while a spawned trial's parent is this
-        # driver and PDEATHSIG applies. (Spawning re-imports the main script, which must guard
-        # its sweep with `if __name__ == "__main__":`, as with any multiprocessing spawn.)
-        self._method = "fork" if start_method() == "fork" else "spawn"
-        ctx = mp.get_context(self._method)
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=trial_main, name=f"unbroken-trial-{record.name}",
-                           args=(Carried(TrialPayload(trainer, url, info, env, self.population is not None)),
-                                 writer,
-                                 os.getpid()))
-        # Blocked around the fork: a signal meant for the sweep cannot hit the new process
-        # while it still has the sweep driver's handlers; it is delivered after the fork.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, set(_TERMINAL))
-        try:
-            proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        writer.close()
+        payload = TrialPayload(trainer, url, info, env, self.population is not None)
+        if self.on_ray:
+            from unbroken.tune.ray_trial_process import RayTrialProcess
+
+            payload.sweep_id = self.manifest.sweep_id
+            proc: Any = RayTrialProcess(payload, trainer.scaling_config.trainer_resources)
+        else:
+            proc = LocalTrialProcess(payload, record.name)
+        record.driver = None
         record.status, record.started_at, record.ended_at, record.error = sw.RUNNING, time.time(), None, None
         self.save()
-        return _Running(record, proc, reader, share=share or 0, gpus=gpus or [])
+        return _Running(record, proc, share=share or 0, gpus=gpus or [])
 
     def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
         # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
@@ -306,7 +300,6 @@ class SweepDriver:
     def _collect(self, running: _Running, stopping: bool) -> None:
         """A trial process ended: record what became of the trial."""
         record, outcome = running.record, running.message
-        exitcode = running.proc.exitcode
         paused = self.population is not None and self.population.pending(record.name) is not None
         if paused and not stopping:  # it paused, whatever became of its driver after that
             record.status, record.ended_at = sw.PAUSED, time.time()
@@ -323,15 +316,22 @@ class SweepDriver:
                 self._ended(record, sw.ERROR, outcome.summary)
         elif stopping:
             self._ended(record, sw.INTERRUPTED)
+        elif record.relaunches < MAX_RELAUNCHES and (lost := running.proc.lost()):
+            self._relaunch(record, lost, running.proc.relaunch_ready())
         else:
-            how = (f"was killed by {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0
-                   else f"exited with code {exitcode}")
-            hint = ""
-            if self._method == "spawn":
-                hint = (" (it was spawned: if the sweep's script has no `if __name__ == '__main__':` "
-                        "guard, the spawned process ran the script again; see its stderr)")
-            self._ended(record, sw.ERROR,
-                        f"the trial's driver process {how} without reporting an outcome{hint}")
+            self._ended(record, sw.ERROR, running.proc.died())
+
+    def _relaunch(self, record: TrialRecord, lost: str, ready: Callable[[], bool]) -> None:
+        """A trial's driver was lost with its node: the trial runs again first, from its last
+        committed checkpoint (its run's lease, held by the lost driver, is taken over), once
+        `ready` says the lost node cannot be chosen again."""
+        record.relaunches += 1
+        record.status, record.driver = sw.PENDING, None
+        self.queue.insert(0, record.name)
+        self.relaunching[record.name] = ready
+        self.save()
+        log.warning("sweep %s: the driver of %s was lost (%s); the trial runs again from its last "
+                    "checkpoint (relaunch %d)", self.name, record.name, lost, record.relaunches)
 
     def execute(self) -> None:
         """Run the queued and newly proposed trials; raise TrainingInterruptedError on a signal."""
@@ -363,7 +363,7 @@ class SweepDriver:
                 self._forward(interrupts.signal_name, running)
             if not forwarded:
                 self._start_trials(running)
-            if not running:
+            if not running and (forwarded or not self.relaunching):
                 return forwarded
             ready = self._wait(running, interrupts)
             self._reap(running, ready, stopping=bool(forwarded))
@@ -375,10 +375,7 @@ class SweepDriver:
         log.warning("sweep %s: %s received: forwarded to %d running trial(s), which "
                     "checkpoint and stop; no new trial starts", self.name, signum.name, len(running))
         for r in running.values():
-            try:
-                os.kill(r.proc.pid, signum)
-            except ProcessLookupError:
-                pass
+            r.proc.signal(signum)
 
     def _start_trials(self, running: dict[str, _Running]) -> None:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer
@@ -431,7 +428,7 @@ class SweepDriver:
         for r in running.values():
             waits.append(r.proc.sentinel)
             if r.conn_open:
-                waits.append(r.conn)
+                waits.append(r.proc.conn)
         ready = mp.connection.wait(waits, timeout=POLL_S)
         if interrupts in ready:
             interrupts.drain()
@@ -441,7 +438,7 @@ class SweepDriver:
         """Read what the ready trials sent, and record each trial whose process ended (after
         reading its last messages) and drop it from `running`."""
         for name, r in list(running.items()):
-            if r.conn_open and (r.conn in ready or r.proc.sentinel in ready):
+            if r.conn_open and (r.proc.conn in ready or r.proc.sentinel in ready):
                 self._read(r)
             if r.proc.sentinel in ready:
                 r.proc.join()
@@ -461,14 +458,20 @@ class SweepDriver:
         counts = self.manifest.counts()
         self._say("%s: %s", self.manifest.status, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
 
-    @staticmethod
-    def _read(r: _Running) -> None:
+    def _read(self, r: _Running) -> None:
+        """What a trial sent: where its driver was placed (recorded), then its outcome."""
         try:
-            while r.conn.poll():
-                r.message = r.conn.recv()
+            while r.proc.conn.poll():
+                message = r.proc.conn.recv()
+                if isinstance(message, TrialPlaced):
+                    r.record.driver = {"node_id": message.node_id, "address": message.address,
+                                       "pid": message.pid}
+                    self.save()
+                else:
+                    r.message = message
         except (EOFError, OSError):
             r.conn_open = False
-            r.conn.close()
+            r.proc.conn.close()
 
     def _interrupted(self, signal_name: str) -> None:
         self.manifest.status = sw.SWEEP_INTERRUPTED

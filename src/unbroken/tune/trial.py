@@ -3,10 +3,10 @@
 A trial is an ordinary run. Its trainer is a `FunctionTrainer` around a function trainable (a
 one-worker `DataParallelTrainer` that also reports what the function returns), or the user's
 Trainer rebuilt with the trial's config merged into its arguments; its run directory is
-`<sweep>/<trial name>/`. The sweep driver starts one process per running trial (forked when
-that is safe, like the local engine's workers); that process calls the trainer's `fit()` -- a
-normal single-run driver with its own worker processes, lease, retries and checkpoints -- and
-reports how it ended through a pipe.
+`<sweep>/<trial name>/`. The sweep driver starts one driver per running trial (a process of
+this machine, or an actor of the Ray cluster: see `trial_process`); it calls the trainer's
+`fit()` -- a normal single-run driver with its own workers, lease, retries and checkpoints --
+and says how it ended (`trial_outcome`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +28,9 @@ from typing import Any
 from unbroken.core.codec import init_param_names
 from unbroken.core.config import FailureConfig, RunConfig, ScalingConfig
 from unbroken.core.processes import Carried, die_with_parent
-from unbroken.errors import TrainingInterruptedError
+from unbroken.errors import StorageNotSharedError, TrainingInterruptedError, UnbrokenError
 from unbroken.store import manifest as mf
+from unbroken.store import sweep_manifest as sw
 from unbroken.store.lease import live_holder
 from unbroken.store.storage import Storage
 from unbroken.train import report
@@ -41,6 +43,9 @@ log = logging.getLogger("unbroken")
 
 # How long a trial's process waits for a leftover driver of the same trial to exit.
 PREVIOUS_DRIVER_WAIT_S = 30.0
+# Past the lease's TTL: how much longer a trial's driver waits for a previous driver's lease
+# held on another machine.
+REMOTE_HOLDER_MARGIN_S = 5.0
 # Constructor arguments a param_space may not set: the sweep decides where each trial lives.
 _RESERVED = ("run_config",)
 # The metric a function trainable's returned (or yielded) number is reported as (Ray Tune's name).
@@ -197,6 +202,24 @@ class TrialPayload:
     info: dict[str, Any]      # trial_name, trial_id, trial_dir for train.get_context()
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # set in the trial's process
     continue_finished: bool = False  # population-based training: a paused (FINISHED) run goes on
+    sweep_id: str | None = None  # on another machine: the sweep it must see (check_sees_sweep)
+
+
+def check_sees_sweep(payload: TrialPayload) -> None:
+    """Fail before the trial starts when its driver, on another machine, does not see the
+    sweep the sweep driver wrote: a storage path that is not shared by every node would put
+    the trial's run where the sweep driver never reads it."""
+    storage = Storage.from_url(payload.path, payload.trainer.run_config.storage_filesystem).parent()
+    try:
+        seen = sw.load(storage).sweep_id
+    except (UnbrokenError, OSError) as e:
+        seen = f"no sweep ({type(e).__name__})"
+    if seen != payload.sweep_id:
+        raise StorageNotSharedError(
+            f"the driver of trial {payload.info.get('trial_name')} on {socket.gethostname()} does not see "
+            f"the sweep {storage.url()!r} the sweep driver wrote (it sees {seen}). Hint: every node must see "
+            "the same storage at the same path: a shared file system (NFS) mounted at the same place, or an "
+            "object store (s3://...) for RunConfig(storage_path=...)")
 
 
 def _set_up_process(parent_pid: int | None) -> None:
@@ -216,11 +239,20 @@ def _set_up_process(parent_pid: int | None) -> None:
 
 def _wait_for_previous_driver(storage: Storage) -> None:
     """A trial driver left over from a sweep driver that was killed a moment ago is dying
-    (PDEATHSIG) but may still hold the trial's lease: wait for that process to exit (woken by
-    the exit itself) rather than fail with LeaseHeldError. Only the sweep driver holding the
-    sweep's lease starts trial drivers, so a live holder on this host is such a leftover."""
+    (PDEATHSIG, or Ray's ownership on a cluster) but may still hold the trial's lease: wait for
+    that process to exit (woken by the exit itself) rather than fail with LeaseHeldError. Only
+    the sweep driver holding the sweep's lease starts trial drivers, so a live holder is such
+    a leftover. On another machine (a trial driver lost with its node) its exit cannot be
+    seen from here: wait until its heartbeat is older than the lease's TTL."""
     holder = live_holder(storage)
-    if holder is None or holder.get("host") != socket.gethostname() or holder.get("pid") == os.getpid():
+    if holder is None or holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        return
+    if holder.get("host") != socket.gethostname():
+        deadline = time.monotonic() + float(holder.get("ttl_s", 30)) + REMOTE_HOLDER_MARGIN_S
+        log.info("trial %s: waiting for the lease of the previous driver of this trial (on %s) to expire",
+                 storage.url(), holder.get("host"))
+        while live_holder(storage) is not None and time.monotonic() < deadline:
+            time.sleep(1.0)
         return
     try:
         fd = os.pidfd_open(int(holder["pid"]))
@@ -251,18 +283,24 @@ def run_trial(payload: TrialPayload) -> str:
     return trainer.fit().status or mf.FINISHED
 
 
+def trial_outcome(payload: TrialPayload) -> TrialOutcome:
+    """Run the trial and say how it ended; never raises."""
+    try:
+        if payload.sweep_id is not None:
+            check_sees_sweep(payload)
+        return TrialDone(run_trial(payload))
+    except TrainingInterruptedError as e:
+        return TrialInterrupted(str(e).splitlines()[0])
+    except BaseException as e:  # noqa: BLE001 - everything is reported to the sweep driver
+        first = str(e).splitlines()[0] if str(e) else ""
+        return TrialFailed(type(e).__name__, f"{type(e).__name__}: {first}"[:500], traceback.format_exc())
+
+
 def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
     """The body of a trial's process."""
     _set_up_process(parent_pid)
     os.environ.update(carried.obj.env)
-    outcome: TrialOutcome
-    try:
-        outcome = TrialDone(run_trial(carried.obj))
-    except TrainingInterruptedError as e:
-        outcome = TrialInterrupted(str(e).splitlines()[0])
-    except BaseException as e:  # noqa: BLE001 - everything is reported to the sweep driver
-        first = str(e).splitlines()[0] if str(e) else ""
-        outcome = TrialFailed(type(e).__name__, f"{type(e).__name__}: {first}"[:500], traceback.format_exc())
+    outcome = trial_outcome(carried.obj)
     try:
         conn.send(outcome)
         conn.close()
@@ -270,4 +308,3 @@ def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
         pass
     sys.stdout.flush()
     sys.stderr.flush()
-

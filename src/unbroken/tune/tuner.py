@@ -188,7 +188,8 @@ class Tuner:
                 storage=storage, manifest=manifest, previous=previous, lease=lease, trainable=self.trainable,
                 space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
                 metric=self.metric, mode=self.mode, concurrency=self._concurrency(total, slots, gpus),
-                total=total, verbose=rc.verbose, slots=slots, gpus=gpus)
+                total=total, verbose=rc.verbose, slots=slots, gpus=gpus,
+                on_ray=resolve_engine(trial_scaling(self.trainable)) == "ray")
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)
             return driver
@@ -217,9 +218,7 @@ class Tuner:
     def _trial_slots(self) -> TrialSlots | None:
         """On a Ray cluster, the rule that starts a trial only when it fits beside what the
         running trials hold (see `trial_slots`); None on the local engine."""
-        if not isinstance(self.trainable, BaseTrainer):
-            return None
-        scaling = self.trainable.scaling_config
+        scaling = trial_scaling(self.trainable)
         slots = cluster_slots(scaling)
         return None if slots is None else TrialSlots(slots, scaling.min_workers, scaling.max_workers)
 

@@ -183,6 +183,15 @@ Outcome = Union[Done, Failed]
 
 
 @dataclass(slots=True)
+class TrialPlaced:
+    """A trial's driver actor started on a node of the Ray cluster (before its outcome)."""
+
+    node_id: str
+    address: str
+    pid: int
+
+
+@dataclass(slots=True)
 class TrialDone:
     """A trial's run ended with this run status (FINISHED, or ERRORED within the run)."""
 
