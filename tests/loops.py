@@ -36,8 +36,9 @@ def linear_loop(config: dict) -> None:
     after writing its pid to the file `hang_marker`, if given; print progress lines with `echo`;
     on_request: also checkpoint when asked to; rank_files: every rank's checkpoint holds a
     file rank<r>.json saying its attempt and iteration (rank 0's also holds the state);
-    signal_at=(iteration, attempt): rank 0 writes "<iteration>" to the FIFO `signal_marker` after
-    that report and goes on; step_s: each step takes at least this long (a slower model).
+    signal_at=(iteration, attempt), or a list of such: rank 0 writes "<iteration>" to the FIFO
+    `signal_marker` after that report and goes on; step_s: each step takes at least this long (a
+    slower model).
     """
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -89,7 +90,10 @@ def linear_loop(config: dict) -> None:
             train.report(metrics)
         if config.get("echo") and rank == 0:
             print(f"REPORTED {it}", flush=True)
-        if tuple(config.get("signal_at") or ()) == (it, ctx.get_attempt()) and rank == 0:
+        signal_at = config.get("signal_at") or ()
+        nested = signal_at and isinstance(signal_at[0], (list, tuple))
+        pairs = [tuple(p) for p in signal_at] if nested else [tuple(signal_at)]
+        if (it, ctx.get_attempt()) in pairs and rank == 0:
             with open(config["signal_marker"], "w") as f:
                 f.write(str(it))
         if config.get("step_s"):

@@ -587,6 +587,68 @@ print("ERRORS", [str(e).splitlines()[0] for e in grid.errors])
     assert "lost" in err and "runs again from its last checkpoint" in err
 
 
+def signalled_trainer(marker: str) -> TorchTrainer:
+    """Marks iteration 3 of attempt 1 and the first report of attempt 2 in the FIFO `marker`."""
+    from loops import linear_loop
+
+    first_of_second = [[it, 2] for it in range(1, 13)]
+    config = {"iterations": 12, "ckpt_every": 2, "step_s": 0.5, "signal_at": [[3, 1]] + first_of_second,
+              "signal_marker": marker}
+    return TorchTrainer(linear_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=1))
+
+
+SIGNALLED_SWEEP = """
+import sys
+from test_ray_engine import signalled_trainer
+from unbroken import tune
+from unbroken.errors import TrainingInterruptedError
+from unbroken.train import RunConfig
+
+base = signalled_trainer(sys.argv[2])
+try:
+    tune.Tuner(base, param_space={"train_loop_config": {"lr": tune.grid_search([0.1])}},
+               run_config=RunConfig(name="signalled", storage_path=sys.argv[1], verbose=0)).fit()
+    print("FINISHED")
+except TrainingInterruptedError:
+    print("INTERRUPTED")
+"""
+
+
+@pytest.mark.slow  # 30 s; the default run has the lost trial driver above
+def test_a_sigterm_reaches_trial_drivers_on_their_nodes_and_a_sigkill_takes_them_along(
+        cluster, storage, tmp_path):
+    """SIGTERM to the sweep driver: forwarded to the trial's driver on its node, which
+    checkpoints and stops. SIGKILL to the next one: the trial's driver process ends with it
+    (Ray ends the trial's actor, PDEATHSIG its process). A restore then finishes the trial,
+    each iteration once."""
+    from unbroken import tune
+
+    marker = str(tmp_path / "marker")
+    path = os.path.join(storage, "signalled")
+    fifo = marker_fifo(marker)
+    sweep = start_script(SIGNALLED_SWEEP, storage, marker, RAY_ADDRESS=cluster.address)
+    assert read_marker(fifo, sweep, "iteration 3") == "3"
+    sweep.send_signal(signal.SIGTERM)
+    out, err = sweep.communicate(timeout=120)
+    assert "INTERRUPTED" in out, err[-3000:]
+    (trial,) = sweep_json(path)["trials"]
+    assert trial["status"] == "INTERRUPTED" and trial["driver"]["pid"] != sweep.pid
+    assert [a["status"] for a in attempts_at(os.path.join(path, trial["name"]))] == ["INTERRUPTED"]
+
+    fifo = os.open(marker, os.O_RDONLY | os.O_NONBLOCK)
+    sweep = start_script(SIGNALLED_SWEEP, storage, marker, RAY_ADDRESS=cluster.address)
+    resumed_at = int(read_marker(fifo, sweep, "the restored trial's first report"))
+    assert 4 <= resumed_at < 12
+    (trial,) = sweep_json(path)["trials"]
+    sweep.kill()
+    sweep.communicate()
+    wait_ended([trial["driver"]["pid"]], "the trial's driver to end with its sweep driver", timeout=60)
+    grid = tune.Tuner.restore(path, signalled_trainer(marker)).fit()
+    (result,) = grid
+    assert [r["training_iteration"] for r in result.rows] == list(range(1, 13))
+    assert [a["status"] for a in attempts(result)][::2] == ["INTERRUPTED", "FINISHED"]
+
+
 @pytest.mark.slow  # 30 s; TrialSlots' arithmetic is unit-tested in test_elastic
 def test_elastic_trials_share_the_cluster_by_what_each_holds_now(cluster, storage):
     """Two elastic trials (1 to 2 workers) on three 1-CPU nodes, both allowed at once: the first

@@ -17,6 +17,7 @@ last committed checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import pickle
@@ -49,25 +50,40 @@ VERDICT_WAIT_S = 60.0
 
 
 class TrialHost:
-    """Starts a trial's driver process on its node and waits for it. Its methods run one at a
-    time, on the main thread, which stays until the actor ends (so PDEATHSIG, which follows
-    the thread that started the child, fires only when the actor's process dies)."""
+    """Starts a trial's driver process on its node, waits for it, and passes signals on to it.
+    An asyncio actor: its methods run on one event-loop thread, which lives as long as the
+    actor (PDEATHSIG follows the thread that started the child, so it fires only when the
+    actor's process dies), and `signal` is answered while `wait` waits. Ray may begin `wait`
+    before `start` (a call with large arguments starts later): `wait` waits for `start`."""
 
-    def start(self, payload: bytes, sys_path: list[str]) -> dict[str, Any]:
+    def __init__(self) -> None:
+        self._started = asyncio.Event()
+        self._child: subprocess.Popen | None = None
+
+    async def start(self, payload: bytes, sys_path: list[str]) -> dict[str, Any]:
         """Start the driver process (`tune.trial_child`); returns where it runs."""
         self._outcome, writer = os.pipe()
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.tune.trial_child", str(os.getpid()), str(writer)],
-            stdin=subprocess.PIPE, pass_fds=(writer,))
-        os.close(writer)
+        try:
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", "unbroken.tune.trial_child", str(os.getpid()), str(writer)],
+                stdin=subprocess.PIPE, pass_fds=(writer,))
+        finally:
+            os.close(writer)
+            self._started.set()
         assert self._child.stdin is not None
         with self._child.stdin as stdin:
             stdin.write(pickle.dumps((sys_path, payload)))
         return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
                 "pid": self._child.pid}
 
-    def wait(self) -> tuple[TrialOutcome | None, int]:
+    async def wait(self) -> tuple[TrialOutcome | None, int]:
         """The trial's outcome (None if its process ended without one) and its exit code."""
+        await self._started.wait()
+        return await asyncio.get_running_loop().run_in_executor(None, self._wait)
+
+    def _wait(self) -> tuple[TrialOutcome | None, int]:
+        if self._child is None:  # it could not be started: `start` raised, and says why
+            return None, 1
         outcome = None
         with Connection(self._outcome, writable=False) as conn:
             try:
@@ -76,16 +92,16 @@ class TrialHost:
                 pass
         return outcome, self._child.wait()
 
+    async def signal(self, signum: int) -> None:
+        try:
+            if self._child is not None:
+                self._child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
 
 def _answer() -> bool:
     return True
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def actor_options(trainer_resources: dict[str, float] | None) -> dict[str, Any]:
@@ -94,7 +110,7 @@ def actor_options(trainer_resources: dict[str, float] | None) -> dict[str, Any]:
     resources = dict(trainer_resources or {})
     return {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0),
             "memory": resources.pop("memory", None), "resources": resources or None,
-            "max_restarts": 0, "max_concurrency": 1, "scheduling_strategy": "SPREAD"}
+            "max_restarts": 0, "scheduling_strategy": "SPREAD"}
 
 
 class RayTrialProcess:
@@ -198,13 +214,12 @@ class RayTrialProcess:
             return False
 
     def signal(self, signum: int) -> None:
-        """SIGTERM or SIGINT to the trial actor's process, by a task on its node; an actor not
-        started yet is killed (it has nothing to checkpoint)."""
+        """SIGTERM or SIGINT to the trial's process, through its actor; a trial not started
+        yet is killed (it has nothing to checkpoint)."""
         if self.meta is None:
             self.kill()
             return
-        strategy = NodeAffinitySchedulingStrategy(self.meta["node_id"], soft=False)
-        ray.remote(_signal).options(num_cpus=0, scheduling_strategy=strategy).remote(self.meta["pid"], signum)
+        self.actor.signal.remote(signum)
 
     def kill(self) -> None:
         try:
