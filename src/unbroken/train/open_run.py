@@ -74,7 +74,9 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
             lease.release()
             log.info("run %s finished meanwhile; returning its stored result", path)
             return None, Result.from_path(path, config.storage_filesystem)
-        change = _amendments(manifest, saved, path) if previous is not None else {}
+        # A sweep's trial changes its config by design (population-based training): said quietly.
+        quiet = getattr(trainer, "_trial_info", None) is not None
+        change = _amendments(manifest, saved, path, quiet) if previous is not None else {}
         write_trainer(storage, manifest, saved)
         run = Run(storage, manifest, previous, lease, config.checkpoint_config)
         run.config_change = change or None
@@ -89,12 +91,14 @@ def _finished(manifest: RunManifest | None, trainer: Any, saved: SavedTrainer) -
     return not identity_changes(manifest.identity, saved.fields["identity"])
 
 
-def _amendments(manifest: RunManifest, saved: SavedTrainer, path: str) -> dict[str, dict[str, Any]]:
+def _amendments(manifest: RunManifest, saved: SavedTrainer, path: str,
+                quiet: bool = False) -> dict[str, dict[str, Any]]:
     """Log how this fit() changes the run's identity and code; returns the identity change."""
     change = identity_changes(manifest.identity, saved.fields["identity"])
     if change:
-        log.warning("run %s continues with a changed configuration:\n%s", path,
-                    "\n".join(config_change_lines(change)))
+        level = logging.INFO if quiet else logging.WARNING
+        log.log(level, "run %s continues with a changed configuration:\n%s", path,
+                "\n".join(config_change_lines(change)))
     for name, fp in saved.fields["code_fingerprints"].items():
         if manifest.code_fingerprints.get(name) not in (None, fp):
             log.info("run %s: %s changed since the run was saved; using the new code", path, name)

@@ -17,7 +17,15 @@ Layer 7 (public API, with its sweep machinery: `tuner`, `saved_sweep`, `sweep_dr
 
 from __future__ import annotations
 
-from unbroken.train import get_checkpoint, get_context, report
+from unbroken.train import (
+    Checkpoint,
+    CheckpointConfig,
+    FailureConfig,
+    RunConfig,
+    get_checkpoint,
+    get_context,
+    report,
+)
 from unbroken.tune.function_trainable import with_parameters, with_resources
 from unbroken.tune.result_grid import ResultGrid, TrialResult
 from unbroken.tune.search_space import (
@@ -37,7 +45,8 @@ from unbroken.tune.tune_config import TuneConfig
 from unbroken.tune.tuner import Tuner
 
 __all__ = [
-    "ResultGrid", "Trainable", "TrialResult", "TuneConfig", "Tuner",
+    "Checkpoint", "CheckpointConfig", "FailureConfig", "ResultGrid", "RunConfig", "Trainable", "TrialResult",
+    "TuneConfig", "Tuner",
     "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qrandint", "quniform", "randint",
     "randn", "uniform", "with_parameters", "with_resources",
     "get_checkpoint", "get_context", "report",
