@@ -108,7 +108,8 @@ def simple_loop(config: dict) -> None:
     """No torch.distributed needed: reports `iterations` rows, checkpointing every `ckpt_every`.
 
     Knobs: fail_at=iteration raises in attempt 1; bad_metric reports a tensor; uneven makes
-    rank 0 report one extra time at the end."""
+    rank 0 report one extra time at the end; ran: a file each rank appends each iteration it
+    begins to."""
     start = 0
     ckpt = train.get_checkpoint()
     if ckpt is not None:
@@ -116,6 +117,9 @@ def simple_loop(config: dict) -> None:
             start = int(f.read())
     ctx = train.get_context()
     for it in range(start + 1, config.get("iterations", 4) + 1):
+        if config.get("ran"):  # a file that lists each iteration each rank began
+            with open(config["ran"], "a") as f:
+                f.write(f"{ctx.get_world_rank()}:{it}\n")
         if it == config.get("fail_at") and ctx.get_attempt() == 1:
             raise RuntimeError(f"injected failure at iteration {it}")
         if config.get("bad_metric"):

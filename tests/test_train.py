@@ -89,6 +89,18 @@ def one_worker_loop(config):
                   "master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")]})
 
 
+def test_a_stop_at_a_known_iteration_begins_no_iteration_past_it(storage, tmp_path):
+    """RunConfig(stop={"training_iteration": 3}): each rank waits for the verdict on report 3
+    and stops there, instead of beginning iteration 4 before it learns it stops."""
+    ran = str(tmp_path / "ran")
+    result = DataParallelTrainer(simple_loop, train_loop_config={"iterations": 8, "ran": ran},
+                                 scaling_config=ScalingConfig(num_workers=2),
+                                 run_config=RunConfig(name="stopped", storage_path=storage,
+                                                      stop={"training_iteration": 3})).fit()
+    assert result.metrics_dataframe["training_iteration"].tolist() == [1, 2, 3]
+    assert sorted(open(ran).read().split()) == ["0:1", "0:2", "0:3", "1:1", "1:2", "1:3"]
+
+
 def test_one_worker_has_a_process_group_of_one(storage):
     # Ray's default ScalingConfig: one worker, which still has torch.distributed to call.
     result = TorchTrainer(one_worker_loop, run_config=RunConfig(name="one", storage_path=storage)).fit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import time
@@ -260,6 +261,16 @@ class RunConfig:
         if self.storage_path:
             return str(self.storage_path)
         return os.environ.get("UNBROKEN_STORAGE") or os.path.expanduser("~/unbroken_results")
+
+
+def stop_due_at(stop: Any) -> int | None:
+    """The first iteration whose report `RunConfig.stop` may stop at, where it can say: a dict's
+    `training_iteration`, or a stopper's `verdict_from()` (population-based training's pause
+    at its next perturbation point); None when any report may be the last."""
+    if isinstance(stop, dict) and isinstance(stop.get("training_iteration"), (int, float)):
+        return math.ceil(stop["training_iteration"])
+    verdict_from = getattr(stop, "verdict_from", None)
+    return verdict_from() if callable(verdict_from) else None
 
 
 def stop_met(stop: Any, row: dict[str, Any]) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from unbroken.core import faults
-from unbroken.core.config import RunConfig, ScalingConfig, stop_met
+from unbroken.core.config import RunConfig, ScalingConfig, stop_due_at, stop_met
 from unbroken.errors import (
     InsufficientResourcesError,
     LeaseLostError,
@@ -472,16 +472,16 @@ class Controller:
         for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint); with
         `auto` (the loop saves when asked), ask when the cadence says. It names the checkpoint
         the round committed, if it did."""
-        stop = stop_met(self.run_config.stop, row)
+        stop, verdict_at = stop_met(self.run_config.stop, row), stop_due_at(self.run_config.stop)
         latest = self.run.checkpoints.latest
         committed = latest.name if latest is not None and latest.iteration == iteration else None
         state = self.state
         if not isinstance(state, states.Stopping):
             due = auto and self._cadence.due(row, saved, self.run.manifest.attempts, time.time())
-            return Reply(stop=stop, checkpoint=due, committed=committed)
+            return Reply(stop=stop, checkpoint=due, committed=committed, verdict_at=verdict_at)
         if state.asked_at is None:
             self._transition(state.asking_at(iteration))
-            return Reply(stop=stop, checkpoint=True, committed=committed)
+            return Reply(stop=stop, checkpoint=True, committed=committed, verdict_at=verdict_at)
         self._transition(state.stopping_workers())
         if not saved:
             latest = self.run.checkpoints.latest

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.core import faults
-from unbroken.core.config import stop_met
+from unbroken.core.config import stop_due_at, stop_met
 from unbroken.errors import TornCheckpointError
 from unbroken.store import commit, history
 from unbroken.store import manifest as mf
@@ -101,6 +101,19 @@ class PBTStopper:
 
     def __repr__(self) -> str:
         return f"PBTStopper(trial={self.trial!r}, user_stop={self.user_stop!r})"
+
+    def verdict_from(self) -> int | None:
+        """The iteration of the next perturbation point, when the time is counted in
+        iterations: a rank waits there for the pause instead of running one more iteration
+        (see `config.stop_due_at`); the user's own stop, if it says, when it comes first."""
+        user = stop_due_at(self.user_stop)
+        if self.scheduler.time_attr != "training_iteration":
+            return user
+        if self._state is None:
+            self._state = state(Storage.from_url(self.sweep_url, self.storage_filesystem), self.trial,
+                                self.scheduler)
+        ours = math.ceil(self._state["next"])
+        return ours if user is None else min(ours, user)
 
     def __call__(self, row: dict[str, Any]) -> bool:
         if stop_met(self.user_stop, row):

@@ -52,11 +52,15 @@ class Report:
 class Reply:
     """The driver's answer to a complete round, the same for every rank: stop at the next
     report, and/or checkpoint at it (a preemption); `committed`: the name of the checkpoint
-    this round committed, if it did (`train.get_checkpoint()` follows it)."""
+    this round committed, if it did (`train.get_checkpoint()` follows it); `verdict_at`: the
+    first iteration whose report `RunConfig.stop` may stop at, where it can say
+    (`config.stop_due_at`): a rank waits for the verdict right after that report and the
+    ones after it, instead of running one more iteration before it learns it stops."""
 
     stop: bool = False
     checkpoint: bool = False
     committed: str | None = None
+    verdict_at: int | None = None
 
 
 @dataclass(slots=True)

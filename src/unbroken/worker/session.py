@@ -186,6 +186,7 @@ class Session:
         self.forward_clock: Any = None  # prepare_model's ForwardClock on the model it wrapped
         self._awaiting_reply = False
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
+        self._verdict_at: int | None = None  # from the latest reply taken (Reply.verdict_at)
         self.context = TrainContext(info, self)
         self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
         self.peer_state: dict[str, Any] | None = None  # recovering in place: the state a peer sent
@@ -242,7 +243,7 @@ class Session:
         self._latest = Checkpoint(storage.url(name), storage.filesystem_arg)
 
     def _took(self, reply: Reply) -> None:
-        self._reply = reply
+        self._reply, self._verdict_at = reply, reply.verdict_at
         self._awaiting_reply = False
         if reply.committed is not None:
             self._follow(reply.committed)
@@ -343,8 +344,8 @@ class Session:
 
     def _send_report(self, report: Report, save: Callable[[], None] | None = None) -> None:
         """Send `report`, then start its background `save` (its `Staged` must follow it)."""
-        asked = self._reply.checkpoint
         iteration = report.iteration
+        asked = self._reply.checkpoint or (self._verdict_at is not None and iteration >= self._verdict_at)
         if self._save_t0 is not None:
             report.save_s = time.monotonic() - self._save_t0
             self._save_t0 = None
@@ -363,8 +364,9 @@ class Session:
         self._awaiting_reply = True
         self._reply = NO_REPLY
         if asked:
-            # The driver asked for this checkpoint (preemption): take its verdict now, so that a
-            # stop ends the loop right after the commit instead of after one more iteration.
+            # The driver asked for this checkpoint (preemption), or this report may be the last:
+            # take its verdict now, so that a stop ends the loop right after this report
+            # instead of after one more iteration.
             self._take_reply()
 
     def finish(self) -> int:
