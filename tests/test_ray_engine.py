@@ -540,7 +540,7 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, t
 
 
 def test_a_lost_node_costs_only_the_trial_placed_on_it_its_progress_since_its_checkpoint(
-        cluster, storage, tmp_path):
+        cluster, storage, tmp_path, capsys):
     """Two trials, each pinned whole (its driver actor and its worker) to one node. node_b is
     removed while its trial is at iteration 3, past its checkpoint at 2: that trial's driver
     is relaunched on the node that replaces it and resumes from checkpoint 2; the trial on
@@ -585,6 +585,12 @@ print("ERRORS", [str(e).splitlines()[0] for e in grid.errors])
     first, second = attempts_at(os.path.join(path, on_b["name"]))
     assert first["status"] != "FINISHED" and second["resumed_from"] == "checkpoint_000002"
     assert "lost" in err and "runs again from its last checkpoint" in err
+    from unbroken.cli.commands import main
+
+    assert main(["show", path]) == 0
+    shown = capsys.readouterr().out
+    assert f"{on_b['driver']['address']}:{on_b['driver']['pid']}" in shown, "LOC: where each driver ran"
+    assert "ran again 1x after its driver's node was lost" in shown
 
 
 def signalled_trainer(marker: str) -> TorchTrainer:

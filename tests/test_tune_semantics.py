@@ -261,3 +261,23 @@ def test_asha_brackets_start_a_rung_higher_and_judge_each_bracket_apart(tmp_path
     assert read_decision(storage, one[1])["bracket"] == 1 and read_decision(storage, zero[1])["bracket"] == 0
     assert sorted(storage.listdir(".unbroken/asha/bracket_1")) == ["rung_2"]
     assert stopper(one[1])({"training_iteration": 3, "score": 1.0}) is True, "stopped stays stopped"
+
+
+def test_asha_says_in_advance_which_report_it_may_stop_a_trial_at():
+    """With time counted in iterations, each rung is known in advance: a trial's ranks wait
+    for the verdict at the report of its next rung (or max_t, or the user's own stop) instead
+    of beginning one more iteration (`config.stop_due_at`)."""
+    from unbroken.tune.asha import TrialStopper
+    from unbroken.tune.schedulers import ASHAScheduler
+
+    sched = ASHAScheduler(time_attr="training_iteration", grace_period=1, reduction_factor=2, max_t=8)
+    stopper = TrialStopper("trial_00000", "unused://", None, sched, "score", "max")
+    assert stopper.verdict_from() == 1, "rungs at 1, 2, 4 and 8"
+    assert stopper({"training_iteration": 3}) is False, "a row without the metric is not judged"
+    assert stopper.verdict_from() == 4, "the next rung past what the trial reached"
+    capped = TrialStopper("trial_00000", "unused://", None, sched, "score", "max",
+                          user_stop={"training_iteration": 3})
+    assert capped({"training_iteration": 2}) is False and capped.verdict_from() == 3, "before rung 4"
+    timed = TrialStopper("trial_00000", "unused://", None,
+                         ASHAScheduler(time_attr="time_total_s", grace_period=1, max_t=8), "score", "max")
+    assert timed.verdict_from() is None, "time_total_s: nobody can say which report comes at a rung"

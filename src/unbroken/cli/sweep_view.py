@@ -33,7 +33,8 @@ def sweep_summary(path: str, storage_filesystem: Any = None) -> dict[str, Any]:
         trials.append({"name": t.name, "status": status,
                        "iteration": (last or {}).get("training_iteration"),
                        "metric": (last or {}).get(metric) if metric else None,
-                       "config": t.config, "error": t.error, "stopped_early": t.stopped_early})
+                       "config": t.config, "error": t.error, "stopped_early": t.stopped_early,
+                       "driver": t.driver, "relaunches": t.relaunches})
     scored = [t for t in trials
               if isinstance(t["metric"], (int, float)) and not isinstance(t["metric"], bool)]
     best = None
@@ -59,17 +60,32 @@ def print_sweep(s: dict[str, Any]) -> None:
         head.append(["best trial", f"{best['name']}: {s['metric']}={format_value(best['metric'])}"])
     print(table(None, head))
     print("\ntrials")
-    rows = [[t["name"], t["status"], t["iteration"] if t["iteration"] is not None else "-",
-             format_value(t["metric"]) if t["metric"] is not None else "-", _short(t["config"]),
-             t["error"] or (f"stopped early: {t['stopped_early']}" if t["stopped_early"] else "-")]
+    placed = any(t.get("driver") for t in s["trials"])  # on a Ray cluster: where each driver ran
+    rows = [[t["name"], t["status"]] + ([_loc(t)] if placed else [])
+            + [t["iteration"] if t["iteration"] is not None else "-",
+               format_value(t["metric"]) if t["metric"] is not None else "-", _short(t["config"]), _note(t)]
             for t in s["trials"]]
-    print(table(["NAME", "STATUS", "ITER", (s["metric"] or "METRIC").upper(), "CONFIG", "NOTE"], rows,
-                indent=2) if rows else "  none yet")
+    header = ["NAME", "STATUS"] + (["LOC"] if placed else []) + ["ITER", (s["metric"] or "METRIC").upper(),
+                                                                "CONFIG", "NOTE"]
+    print(table(header, rows, indent=2) if rows else "  none yet")
     for what in ("searcher", "scheduler"):
         if s[what]:
             print(f"\n{what}\n  {_short(s[what], 300)}")
     print(f"\nhint: `unbroken ls {s['path']}` lists each trial as a run; `unbroken show "
           f"{s['path']}/<trial>` shows one")
+
+
+def _loc(trial: dict[str, Any]) -> str:
+    """Where the trial's driver ran, as Ray Tune's `loc` column: address:pid."""
+    driver = trial.get("driver")
+    return f"{driver['address']}:{driver['pid']}" if driver else "-"
+
+
+def _note(trial: dict[str, Any]) -> str:
+    notes = [trial["error"] or (f"stopped early: {trial['stopped_early']}" if trial["stopped_early"] else "")]
+    if trial.get("relaunches"):
+        notes.append(f"ran again {trial['relaunches']}x after its driver's node was lost")
+    return "; ".join(n for n in notes if n) or "-"
 
 
 def _short(value: Any, width: int = 60) -> str:

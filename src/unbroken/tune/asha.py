@@ -32,7 +32,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from unbroken.core.config import stop_met
+from unbroken.core.config import stop_due_at, stop_met
 from unbroken.store import storage_lock
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
@@ -156,10 +156,11 @@ class TrialStopper:
         self._storage: Storage | None = None
         self._recorded: set[float] = set()
         self._stopped: bool | None = None
+        self._last_t = 0.0  # the time of the latest row seen
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_storage=None, _recorded=set(), _stopped=None)
+        state.update(_storage=None, _recorded=set(), _stopped=None, _last_t=0.0)
         return state
 
     def __repr__(self) -> str:
@@ -172,6 +173,19 @@ class TrialStopper:
             self._storage = Storage.from_url(self.sweep_url, self.storage_filesystem)
         return self._storage
 
+    def verdict_from(self) -> int | None:
+        """The iteration of the next rung not judged yet (or max_t), when the time is counted in
+        iterations: a rank waits there for the verdict instead of running one more iteration
+        (see `config.stop_due_at`); the user's own stop, if it says, when it comes first."""
+        user = stop_due_at(self.user_stop)
+        sched = self.scheduler
+        if sched is None or sched.time_attr != "training_iteration":
+            return user
+        rungs = [m for m in sched.milestones(sched.bracket_of(self.trial))
+                 if m not in self._recorded and m > self._last_t]
+        ours = math.ceil(min(rungs + [sched.max_t]))
+        return ours if user is None else min(ours, user)
+
     def __call__(self, row: dict[str, Any]) -> bool:
         if stop_met(self.user_stop, row):
             return True
@@ -182,6 +196,8 @@ class TrialStopper:
     def _asha(self, row: dict[str, Any]) -> bool:
         sched = self.scheduler
         t, value = row.get(sched.time_attr), row.get(self.metric)
+        if _number(t):
+            self._last_t = max(self._last_t, t)
         if not _number(t) or not _number(value):
             return False  # rows without the metric are not judged (as in Ray)
         if self._stopped is None:
