@@ -35,6 +35,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESTORE_TIMEOUT_S = 300.0  # a restore that has not finished by then is reported as such
 JOB = os.path.join(HERE, "_pbt_job.py")
 sys.path.insert(0, HERE)
 from _pbt_job import CONCURRENT, ITERATIONS, TRIALS  # noqa: E402
@@ -93,12 +94,19 @@ def run_killed(framework: str, mode: str, root: str, name: str, kill_after: int)
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     _stop_ray(framework)
-    restored = subprocess.run([sys.executable, JOB, framework, "pbt", root, name, work, "restore"],
-                              env=_env(mode), capture_output=True, text=True, check=False)
+    try:
+        restored = subprocess.run([sys.executable, JOB, framework, "pbt", root, name, work, "restore"],
+                                  env=_env(mode), capture_output=True, text=True, check=False,
+                                  timeout=RESTORE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _stop_ray(framework)
+        return {"wall": None, "executed": len(_executed(work)), "result": None,
+                "failed": f"restore did not finish in {RESTORE_TIMEOUT_S:g} s"}
     wall = time.monotonic() - t0
     _stop_ray(framework)
     if restored.returncode != 0:
-        raise RuntimeError(f"{framework} restore failed:\n{restored.stderr[-3000:]}")
+        return {"wall": None, "executed": len(_executed(work)), "result": None,
+                "failed": "restore failed: " + (restored.stderr.strip().splitlines() or ["?"])[-1][:80]}
     return {"wall": wall, "executed": len(_executed(work)), "result": _result(restored.stdout)}
 
 
@@ -128,7 +136,8 @@ def measure(framework: str, modes: list[str], repeats: int, kill_at: float) -> d
                 killed["rerun"] = killed["executed"] - clean["executed"]
                 killed["same"] = killed["result"] == clean["result"]
                 out[mode + "-killed"].append(killed)
-        print(f"{framework}: repeat {r + 1} of {repeats} done", file=sys.stderr, flush=True)
+        print(f"{framework}: repeat {r + 1} of {repeats} done: {json.dumps(out, default=str)}",
+              file=sys.stderr, flush=True)
     return out
 
 
@@ -154,16 +163,23 @@ def render(results: dict[str, dict], modes: list[str], args: argparse.Namespace)
             (f"PBT {mode}: iterations run (of {TRIALS * ITERATIONS})",
              lambda r, m=mode: f"{med(x['executed'] for x in r[m]):g}"),
             (f"PBT {mode}, killed at {args.kill_at:.0%} and restored: wall time",
-             lambda r, m=mode: f"{med(x['wall'] for x in r[m + '-killed']):.1f} s"),
+             lambda r, m=mode: _killed(r[m + "-killed"], lambda xs: f"{med(x['wall'] for x in xs):.1f} s")),
             (f"PBT {mode}, killed and restored: iterations run again",
-             lambda r, m=mode: f"{med(x['rerun'] for x in r[m + '-killed']):g}"),
+             lambda r, m=mode: _killed(r[m + "-killed"], lambda xs: f"{med(x['rerun'] for x in xs):g}")),
             (f"PBT {mode}, killed and restored: every trial's config and score as uninterrupted",
-             lambda r, m=mode: ", ".join("yes" if x["same"] else "no" for x in r[m + "-killed"])),
+             lambda r, m=mode: ", ".join("-" if x.get("failed") else "yes" if x["same"] else "no"
+                                         for x in r[m + "-killed"])),
         ]
     lines = ["| | " + " | ".join(frameworks) + " |", "|---" * (len(frameworks) + 1) + "|"]
     for label, fn in rows:
         lines.append(f"| {label} | " + " | ".join(cell(fw, fn) for fw in frameworks) + " |")
     return "\n".join(lines)
+
+
+def _killed(runs: list[dict], fmt) -> str:
+    """A killed-and-restored cell: the median of the runs that finished, else why none did."""
+    done = [x for x in runs if not x.get("failed")]
+    return fmt(done) if done else runs[0]["failed"]
 
 
 def main(argv: list[str] | None = None) -> int:
