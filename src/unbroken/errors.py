@@ -204,8 +204,11 @@ class WorkerDied(UnbrokenError, RuntimeError):
 
 
 class StorageNotSharedError(StorageError):
-    """A worker on another node does not see the run directory the driver wrote: the storage
-    path is not shared by every node of the cluster."""
+    """A worker (or a sweep's trial driver) on another node does not see the run directory
+    (or the sweep) the driver wrote: the storage path is not shared by every node."""
+
+    HINT = ("Hint: every node must see the same storage at the same path: a shared file system (NFS) "
+            "mounted at the same place, or an object store (s3://...) for RunConfig(storage_path=...)")
 
 
 class VersionMismatchError(UnbrokenError, RuntimeError):

@@ -217,9 +217,8 @@ def check_sees_sweep(payload: TrialPayload) -> None:
     if seen != payload.sweep_id:
         raise StorageNotSharedError(
             f"the driver of trial {payload.info.get('trial_name')} on {socket.gethostname()} does not see "
-            f"the sweep {storage.url()!r} the sweep driver wrote (it sees {seen}). Hint: every node must see "
-            "the same storage at the same path: a shared file system (NFS) mounted at the same place, or an "
-            "object store (s3://...) for RunConfig(storage_path=...)")
+            f"the sweep {storage.url()!r} the sweep driver wrote (it sees {seen}). "
+            f"{StorageNotSharedError.HINT}")
 
 
 def _set_up_process(parent_pid: int | None) -> None:

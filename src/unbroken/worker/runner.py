@@ -61,9 +61,7 @@ def check_storage_shared(info: WorkerInfo) -> None:
         raise StorageNotSharedError(
             f"rank {info.world_rank} on node {info.node_address} ({info.node_id}) does not see the run "
             f"directory {info.storage.url()!r} the driver wrote: its probe file {PROBE} holds {seen!r} "
-            "there. Hint: every node must see the same storage at the same path: a shared file "
-            "system (NFS) mounted at the same place, or an object store (s3://...) for "
-            "RunConfig(storage_path=...)")
+            f"there. {StorageNotSharedError.HINT}")
 
 
 def serve(payload: WorkerPayload, channel: Channel) -> Outcome:
