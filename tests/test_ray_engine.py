@@ -36,6 +36,10 @@ pytestmark = pytest.mark.ray
 MB = 2**20
 NODE = {"num_cpus": 1, "object_store_memory": 80 * MB}
 OTHER_ROOT = "UNBROKEN_TEST_OTHER_ROOT"  # set on node_b only: NodeLocalFS sees another tree there
+# A removed node is declared dead after 3 missed health checks a second apart (Ray's default:
+# 5, 3 s apart), so that what waits for Ray's verdict (a lost trial driver's relaunch) waits
+# less; nothing here depends on how long the verdict takes.
+FAST_VERDICT = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
 def _add_node(cluster, name: str, env: dict[str, str] | None = None):
@@ -49,7 +53,8 @@ def cluster(tmp_path_factory, s3_endpoint):
 
     other = str(tmp_path_factory.mktemp("other-root"))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                      "object_store_memory": 80 * MB})
+                                                      "object_store_memory": 80 * MB,
+                                                      "_system_config": FAST_VERDICT})
     c.node_env = s3_env(s3_endpoint)
     _add_node(c, "node_a", c.node_env)
     _add_node(c, "node_b", {**c.node_env, OTHER_ROOT: other})
@@ -270,6 +275,17 @@ def test_a_node_that_sees_other_storage_fails_before_training(cluster, tmp_path)
     node_b = [n for n in ray.nodes() if n["Resources"].get("node_b")][0]["NodeManagerAddress"]
     assert f"on node {node_b}" in str(error)
     assert not os.path.exists(tmp_path / "rank0-a2.json"), "a storage error must not be retried"
+
+    # A sweep's trial driver placed on node_b does not see the sweep: the trial errs at once.
+    from unbroken import tune
+
+    pinned = ScalingConfig(num_workers=1, engine="ray", trainer_resources={"node_b": 0.01})
+    grid = tune.Tuner(TorchTrainer(placed_loop, train_loop_config={"iterations": 2, "dir": str(tmp_path)},
+                                   scaling_config=pinned),
+                      run_config=RunConfig(name="unshared-sweep", storage_path="runs", verbose=0,
+                                           storage_filesystem=NodeLocalFS(path=root))).fit()
+    (trial,) = grid.errors
+    assert "StorageNotSharedError" in str(trial) and "does not see the sweep" in str(trial), trial
 
 
 def _node_local_fs(path: str):

@@ -36,7 +36,7 @@ import ray
 import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from unbroken.execution.engine.ray_actor import cluster_address, connect
+from unbroken.execution.engine.ray_actor import cluster_address, connect, node_alive
 from unbroken.tune.trial import TrialPayload
 from unbroken.worker.protocol import TrialOutcome, TrialPlaced
 
@@ -198,12 +198,12 @@ class RayTrialProcess:
         deadline = time.monotonic() + VERDICT_WAIT_S
 
         def ready() -> bool:
-            if node is None or time.monotonic() > deadline:
-                return True
-            return not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+            return node is None or time.monotonic() > deadline or not node_alive(node)
         return ready
 
     def _node_answers(self) -> bool:
+        if not node_alive(self.meta["node_id"]):
+            return False
         strategy = NodeAffinitySchedulingStrategy(self.meta["node_id"], soft=False)
         ref = ray.remote(_answer).options(num_cpus=0, max_retries=0, scheduling_strategy=strategy).remote()
         try:

@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
-from unbroken.execution.engine.ray_actor import RankActor, connect, versions
+from unbroken.execution.engine.ray_actor import RankActor, connect, node_alive, versions
 from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
 from unbroken.worker import stacks
@@ -68,6 +68,9 @@ def _why(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
         return WorkerDied(rank, node_lost=f"{where} unreachable: {first}", engine="ray")
     if isinstance(error, ray.exceptions.ActorDiedError) and getattr(error, "preempted", False):
         return WorkerDied(rank, node_lost=f"{where} preempted", engine="ray")
+    if isinstance(error, ray.exceptions.ActorDiedError) and not node_alive(meta["node_id"]):
+        # Where Ray declares the node dead first, its actors' calls fail as died, not unavailable.
+        return WorkerDied(rank, node_lost=f"{where} dead: {first}", engine="ray")
     return WorkerDied(rank, cause=f"its actor on {where} died: {type(error).__name__}: {first}",
                       engine="ray")
 

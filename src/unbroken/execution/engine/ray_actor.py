@@ -44,6 +44,11 @@ def cluster_address() -> str:
     return ray.get_runtime_context().gcs_address
 
 
+def node_alive(node_id: str) -> bool:
+    """Whether Ray counts the node `node_id` among its live nodes."""
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
 def versions() -> dict[str, str]:
     """What must match between the driver and every node for a payload to run there."""
     try:
