@@ -14,12 +14,14 @@ each, a checkpoint at every report, 2 trials at a time, PBT every 3 iterations
    exploit ((PBT wall - FIFO wall) / exploits), and the iterations run;
 3. the PBT sweep with its whole process group SIGKILLed once `--kill-at` of the
    uninterrupted sweep's iterations have run (as a lost machine), then restored
-   (`Tuner.restore(...).fit()`): the wall time of both launches, the iterations run again
-   (all iterations run, less those of the uninterrupted sweep), and whether each trial ends
-   with the uninterrupted sweep's config and score.
+   (`Tuner.restore(...).fit()`): the wall time of both launches, the iterations run in all
+   (more than the uninterrupted sweep's: work run again; with `synch=False` the count also
+   depends on which trials exploited which), and whether each trial ends with the
+   uninterrupted sweep's config and score.
 
 Each iteration the trainable runs appends a line to a log, so re-runs are counted the same
-way for both. Prints a markdown table of medians over --repeats.
+way for both. Prints a markdown table of medians over --repeats; each framework's raw
+figures go to stderr as JSON as soon as it is done (`--from-log FILE` renders them again).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESTORE_TIMEOUT_S = 300.0  # a restore that has not finished by then is reported as such
 JOB = os.path.join(HERE, "_pbt_job.py")
 sys.path.insert(0, HERE)
-from _pbt_job import CONCURRENT, ITERATIONS, TRIALS  # noqa: E402
+from _pbt_job import CONCURRENT, INTERVAL, ITERATIONS, TRIALS  # noqa: E402
+
+PAUSES = (ITERATIONS - 1) // INTERVAL  # perturbation points a trial passes before its end
 
 
 def _env(mode: str) -> dict[str, str]:
@@ -133,7 +137,6 @@ def measure(framework: str, modes: list[str], repeats: int, kill_at: float) -> d
                 out[mode].append(clean)
                 at = int(kill_at * clean["executed"])
                 killed = run_killed(framework, mode, root, f"{mode}-killed{r}", at)
-                killed["rerun"] = killed["executed"] - clean["executed"]
                 killed["same"] = killed["result"] == clean["result"]
                 out[mode + "-killed"].append(killed)
         print(f"{framework}: repeat {r + 1} of {repeats} done: {json.dumps(out, default=str)}",
@@ -158,14 +161,18 @@ def render(results: dict[str, dict], modes: list[str], args: argparse.Namespace)
         rows += [
             (f"PBT {mode}: wall time", lambda r, m=mode: f"{med(x['wall'] for x in r[m]):.1f} s"),
             (f"PBT {mode}: exploits", lambda r, m=mode: f"{med(x['exploits'] for x in r[m]):g}"),
+            (f"PBT {mode}: overhead per pause ((PBT - FIFO wall time) / {TRIALS * PAUSES} pauses)",
+             lambda r, m=mode: "{:.2f} s".format(med((x['wall'] - f['wall']) / (TRIALS * PAUSES)
+                                                     for x, f in zip(r[m], r['fifo'], strict=True)))),
             (f"PBT {mode}: overhead per exploit", lambda r, m=mode: "{:.2f} s".format(med(
                 (x['wall'] - f['wall']) / x['exploits'] for x, f in zip(r[m], r['fifo'], strict=True)))),
             (f"PBT {mode}: iterations run (of {TRIALS * ITERATIONS})",
              lambda r, m=mode: f"{med(x['executed'] for x in r[m]):g}"),
             (f"PBT {mode}, killed at {args.kill_at:.0%} and restored: wall time",
              lambda r, m=mode: _killed(r[m + "-killed"], lambda xs: f"{med(x['wall'] for x in xs):.1f} s")),
-            (f"PBT {mode}, killed and restored: iterations run again",
-             lambda r, m=mode: _killed(r[m + "-killed"], lambda xs: f"{med(x['rerun'] for x in xs):g}")),
+            (f"PBT {mode}, killed and restored: iterations run (uninterrupted: the row above)",
+             lambda r, m=mode: _killed(r[m + "-killed"],
+                                       lambda xs: f"{med(x['executed'] for x in xs):g}")),
             (f"PBT {mode}, killed and restored: every trial's config and score as uninterrupted",
              lambda r, m=mode: ", ".join("-" if x.get("failed") else "yes" if x["same"] else "no"
                                          for x in r[m + "-killed"])),
@@ -188,9 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="synch,async")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kill-at", type=float, default=0.5)
+    parser.add_argument("--from-log", help="render the raw figures a run wrote to stderr")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     results = {}
+    if args.from_log:
+        for line in open(args.from_log):
+            if ": repeat " in line and " done: " in line:
+                results[line.split(":", 1)[0]] = json.loads(line.split(" done: ", 1)[1])
+        print(render(results, modes, args))
+        return 0
     for fw in args.frameworks.split(","):
         if fw == "ray":
             try:
