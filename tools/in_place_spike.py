@@ -15,7 +15,9 @@ step; not used by the library). Plain torch.distributed, no unbroken:
 Measured on a 2-core machine (0.26 MiB model): the hook sees the failure at once; the
 survivor's recovery takes 2.0 s, nearly all of it waiting for the replacement (a spawned
 process importing torch). 2 ranks: bit for bit. 3 ranks: the ranks agree with each other
-but not with the uninterrupted run (not explained yet; see docs/architecture.md).
+but not with the uninterrupted run in the last bits: DDP's first step after a new wrapper
+sums the gradients in another order than the steps after it, as after any resume with 3
+ranks or more (docs/exact-resume.md).
 """
 import datetime
 import os
