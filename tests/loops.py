@@ -222,7 +222,7 @@ def _die(mode: str, step: int) -> None:
         raise RuntimeError(f"injected failure at step {step}")
     if mode == "exit":
         os._exit(3)
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if mode == "sigstop" else signal.SIGKILL)
 
 
 def exact_loop(config: dict) -> None:
@@ -234,7 +234,7 @@ def exact_loop(config: dict) -> None:
     preempt_at=[step, attempt] has rank 0 send SIGTERM to the driver (`driver_pid`);
     `echo` prints "STEP n" on rank 0 after each step's report; `async_save` saves in the
     background. `jit`: just-in-time checkpoints and per-step random streams (step_seed 7), with
-    die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|hang) striking
+    die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|sigstop|hang) striking
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
     its process id to rank<r>-a<attempt> there. `deterministic`: deterministic algorithms only.
     """

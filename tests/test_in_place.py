@@ -24,11 +24,12 @@ from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
 
-def fit(storage, name, max_failures=1, in_place=True, **config):
+def fit(storage, name, max_failures=1, in_place=True, hang_timeout_s=None, **config):
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
                         scaling_config=ScalingConfig(num_workers=2),
                         run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(
-                            max_failures=max_failures, recover_in_place=in_place))).fit()
+                            max_failures=max_failures, recover_in_place=in_place,
+                            hang_timeout_s=hang_timeout_s))).fit()
 
 
 def attempts(result) -> list[dict]:
@@ -72,6 +73,37 @@ def test_a_rank_that_raised_stays_too_and_nobody_is_replaced(storage, reference,
     assert second["in_place"] == {"iteration": STEP, "source": 0, "kept": [0, 1], "replaced": []}, second
     assert pids(tmp_path, 2) == pids(tmp_path, 1), "both ranks kept their processes"
     assert_same_run(result, reference, "rank 1 raised after report 6, recovered in place")
+
+
+def test_a_frozen_rank_is_killed_alone_at_the_hang_timeout_and_the_survivor_stays(storage, reference, tmp_path):
+    # Rank 1 stops (SIGSTOP, as a frozen process) right after report 6, and rank 0 blocks in
+    # step 7's all-reduce. At hang_timeout_s the driver asks both for their stacks; rank 1
+    # cannot answer, so it alone is killed, and rank 0, released with a dead peer's error,
+    # stays and sends its state of round 6 to rank 1's replacement.
+    result = fit(storage, "frozen", hang_timeout_s=3, die_after_report=[[STEP, 1, 1, "sigstop"]],
+                 pid_dir=str(tmp_path))
+    first, second = attempts(result)
+    assert "WorkerHangError" in first["error"] and first["hang"]["killed"] == [1], first
+    assert first["hang"]["where"]["1"] is None and first["hang"]["where"]["0"], first["hang"]
+    assert second["in_place"] == {"iteration": STEP, "source": 0, "kept": [0], "replaced": [1]}, second
+    before, after = pids(tmp_path, 1), pids(tmp_path, 2)
+    assert after[0] == before[0] and after[1] != before[1]
+    assert_same_run(result, reference, "rank 1 frozen after report 6, recovered in place")
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        cli.main(["show", result.path])
+    assert "killed alone, so that the others could stay: rank(s) [1]" in shown.getvalue()
+
+
+def test_a_hang_in_python_code_restarts_every_rank(storage, reference):
+    # Rank 1 waits forever in Python code after report 6: both ranks write their stacks, so
+    # which one is to blame is not known, and the hang ends the attempt as without in-place
+    # recovery: every rank starts again, from the periodic checkpoint.
+    result = fit(storage, "python-hang", hang_timeout_s=3, die_after_report=[[STEP, 1, 1, "hang"]])
+    first, second = attempts(result)
+    assert "WorkerHangError" in first["error"] and "killed" not in first["hang"], first
+    assert second.get("in_place") is None and second["resumed_from"] == f"checkpoint_{PERIODIC:06d}"
+    assert_same_run(result, reference, "rank 1 hung in Python code after report 6")
 
 
 def test_a_step_in_flight_falls_back_to_the_restart_from_the_periodic_checkpoint(storage, reference):

@@ -44,6 +44,8 @@ def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> N
               f".unbroken/stacks/attempt-{a['number']:03d}/:")
         for rank, at in hang["where"].items():
             print(f"    rank {rank}: {at or 'no answer (stopped, or gone)'}")
+        if hang.get("killed"):
+            print(f"    killed alone, so that the others could stay: rank(s) {hang['killed']}")
     peer = a.get("in_place")
     if peer:
         again = ", ".join(map(str, peer["replaced"])) or "none"

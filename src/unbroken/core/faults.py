@@ -1,7 +1,8 @@
 """Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>[:<rank>[:once]]]]`
 strikes this process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
-the default), `exit` (`os._exit(3)`, no clean-up) or `raise` (InjectedFault, as if the code
-right after the point raised). With a rank, only the worker of that world rank is struck. Several
+the default), `exit` (`os._exit(3)`, no clean-up), `raise` (InjectedFault, as if the code
+right after the point raised) or `stop` (SIGSTOP: a frozen process, which answers nothing
+until it is killed). With a rank, only the worker of that world rank is struck. Several
 specs, separated by commas, each strike at their own point (e.g. a rank killed after a
 report, and then the survivor during its just-in-time save). With
 `UNBROKEN_FAULT_LOG=<file>` it first appends the point's name and pid to that file, so a
@@ -74,4 +75,4 @@ def _strike(name: str, rest: str) -> None:
             raise InjectedFault(f"injected fault at {name}")
         if action == "exit":
             os._exit(3)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)

@@ -102,8 +102,7 @@ class Controller:
         self._worker_trainer = copy.copy(trainer)
         self._worker_trainer.run_config = dataclasses.replace(trainer.run_config, callbacks=None)
         validation = getattr(trainer, "validation_config", None)
-        if validation is not None:
-            self._worker_trainer.validation_config = None  # runs in the driver's validations only
+        self._worker_trainer.validation_config = None  # a validation runs in the driver's validations only
         self._validations = Validations(run, validation, validation_runner)
         self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
         self._started = 0.0  # when the attempt's ranks were started
@@ -302,10 +301,12 @@ class Controller:
                 self._take(group, rounds, failures, rank, message)
                 yield rank, message
 
-        may_stay = in_place.allowed(self.run_config.failure_config, group, self._elastic is not None,
-                                    self.policy.can_retry(), failures)
-        self._in_place = in_place.settle(self.run, self._jit, group, rounds.num_workers, may_stay,
-                                         lambda: rounds.running, events)
+        self._in_place = in_place.settle(self.run, self._jit, group, rounds.num_workers,
+                                         self._may_stay(group, failures), lambda: rounds.running, events)
+
+    def _may_stay(self, group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> bool:
+        return in_place.allowed(self.run_config.failure_config, group, self._elastic is not None,
+                                self.policy.can_retry(), failures)
 
     def _drive(self, group: WorkerGroup) -> None:
         """Process worker messages until every worker is done; raise on any failure.
@@ -350,7 +351,8 @@ class Controller:
                 if events:
                     rounds.heard(now)
                 elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
-                    raise rounds.hang_error(hang_s)
+                    in_place.free_hung(self.run, group, rounds.hang_error(hang_s),
+                                       self._may_stay(group, failures), self._jit.armed, failures)
                 for rank, message in events:
                     self._take(group, rounds, failures, rank, message)
                 if failures:
@@ -484,11 +486,9 @@ class Controller:
             return Reply(stop=stop, checkpoint=True, committed=committed, verdict_at=verdict_at)
         self._transition(state.stopping_workers())
         if not saved:
-            latest = self.run.checkpoints.latest
-            log.warning("run %s: the training loop did not attach a checkpoint to report %d when "
-                        "asked (train.get_context().should_checkpoint() was true); a restore "
-                        "resumes from %s", self.run.path, iteration,
-                        latest.name if latest else "the start")
+            log.warning("run %s: the training loop did not attach a checkpoint to report %d when asked "
+                        "(train.get_context().should_checkpoint() was true); a restore resumes from %s",
+                        self.run.path, iteration, latest.name if latest else "the start")
         return Reply(stop=True, checkpoint=False, committed=committed)
 
     def _commit_async(self, group: WorkerGroup, rounds: ReportRounds, save: PendingCommit) -> None:

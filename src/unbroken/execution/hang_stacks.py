@@ -6,8 +6,6 @@ attempt records which ranks the others waited for and where each rank was
 
 from __future__ import annotations
 
-from typing import Any
-
 from unbroken.errors import WorkerHangError
 from unbroken.execution.engine.base import WorkerGroup
 from unbroken.run.handle import Run
@@ -22,18 +20,23 @@ def stacks_dir(attempt: int) -> str:
     return f"{STACKS_DIR}/attempt-{attempt:03d}"
 
 
-def capture(run: Run, group: WorkerGroup, error: WorkerHangError) -> None:
+def capture(run: Run, group: WorkerGroup, error: WorkerHangError) -> dict[str, str | None]:
     """Dump every rank's stacks, store them with the attempt and record where each rank was
-    (`None`: it did not answer, as a stopped process does not)."""
+    (`None`: it did not answer, as a stopped process does not); returns that record's
+    `where`. Once per attempt: a second call returns the first one's record."""
     dump = getattr(group, "stacks", None)
     if dump is None or run.attempt is None:
-        return
+        return {}
+    if run.attempt.hang is not None:
+        return run.attempt.hang["where"]
     texts = dump(STACK_WAIT_S)
     folder = stacks_dir(run.attempt.number)
     run.storage.makedirs(folder)
-    at: dict[str, Any] = {}
-    for rank, text in sorted(texts.items()):
+    at: dict[str, str | None] = {}
+    for rank in range(group.num_workers):
+        text = texts.get(rank)
         if text:
             run.storage.write_atomic(f"{folder}/rank-{rank}.txt", text.encode())
         at[str(rank)] = where(text) if text else None
     run.attempt.hang = {"waited_for": list(getattr(error, "waiting", [])), "where": at}
+    return at

@@ -11,6 +11,11 @@ attempt's last complete round is the source; every rank that offered and is aliv
 the others (dead, told they cannot help, or silent for `OFFER_WAIT_S`, e.g. blocked for
 good) are started again. When no rank offers that round, nothing is sent, and the failure
 goes on to a just-in-time checkpoint and a restart, as before.
+
+A hang (`hang_timeout_s`) is recovered in place when the hung ranks can be told apart
+(`free_hung`): a rank that cannot even write its stacks (a stopped or frozen process) is
+killed alone, and the ranks blocked in a collective with it get the error of a dead peer,
+offer, and stay, as after any death.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken.core.config import FailureConfig
-from unbroken.errors import WorkerDied
+from unbroken.errors import WorkerDied, WorkerHangError
+from unbroken.execution import hang_stacks
 from unbroken.execution.jit_coordinator import OFFER_WAIT_S, Coordinator, commit_just_in_time
 from unbroken.run.handle import Run
 from unbroken.worker.protocol import Stay
@@ -49,6 +55,26 @@ def allowed(failure_config: FailureConfig, group: Any, elastic: bool, retried: b
     retry it, and no node was lost (its ranks would have nowhere to start again)."""
     return (failure_config.recover_in_place and getattr(group, "can_rejoin", False) and not elastic
             and retried and not any(isinstance(e, WorkerDied) and e.node_lost for _, e in failures))
+
+
+def free_hung(run: Run, group: Any, error: WorkerHangError, may_stay: bool, armed: set[int],
+              failures: list[tuple[int, BaseException]]) -> None:
+    """Attempt `run.attempt` hung (`error`): where it may recover in place (`may_stay`, every
+    rank `armed`), capture where each rank was (`hang_stacks.capture`) and kill, alone, the
+    ranks that could not write their stacks (named in the attempt record, `hang["killed"]`);
+    the hang is then the attempt's first failure (in `failures`) and the others fail, offer
+    and stay as after any death. Otherwise raises `error` (the attempt ends as before); so
+    too when every rank wrote its stacks (a wait in Python code: which rank is to blame is
+    not known) or none did."""
+    ranks = set(range(group.num_workers))
+    at = hang_stacks.capture(run, group, error) if may_stay and armed == ranks else {}
+    hung = sorted(int(rank) for rank, where in at.items() if where is None)
+    if not hung or len(hung) == len(ranks):
+        raise error
+    for rank in hung:
+        group.kill(rank)
+    run.attempt.hang["killed"] = hung
+    failures.append((hung[0], error))
 
 
 def settle(run: Run, coordinator: Coordinator, group: Any, num_workers: int, may_stay: bool,

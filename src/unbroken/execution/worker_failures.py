@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import cloudpickle
 
-from unbroken.errors import ControllerError, TrainingFailedError, WorkerDied, WorkerError, WorkerGroupError
+from unbroken.errors import (
+    ControllerError,
+    TrainingFailedError,
+    WorkerDied,
+    WorkerError,
+    WorkerGroupError,
+    WorkerHangError,
+)
 from unbroken.execution.engine.base import WorkerGroup
 from unbroken.run.callbacks import failed_rank
 
@@ -34,8 +41,11 @@ def first_line(error: BaseException) -> str:
 def root_cause(group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> BaseException:
     """The error to handle for a failed group: the first failure, unless a rank reported an
     error while a peer was killed (a signal: OOM, SIGKILL) or lost with its node: the error is
-    then usually just the broken connection to that peer, and the loss is the root cause."""
+    then usually just the broken connection to that peer, and the loss is the root cause. A
+    hang stays the root cause when the hung ranks were then killed (`in_place.free_hung`)."""
     rank, first = failures[0]
+    if isinstance(first, WorkerHangError):
+        return first
     if isinstance(first, WorkerDied):
         return WorkerError(str(first), rank=rank)
     for killed in group.lost_ranks(ROOT_CAUSE_WAIT_S):

@@ -119,6 +119,12 @@ class WorkerGroup(Protocol):
     can_rejoin: bool
     """The group can start an attempt on the ranks of the failed one that stayed (`rejoin`)."""
 
+    def kill(self, rank: int) -> None:
+        """Only where `can_rejoin`: kill rank `rank` at once (SIGKILL, which also ends a
+        stopped process); the others run on, and its death is reported by `poll` as any
+        death is. Used when a hang is recovered in place (`execution.in_place.free_hung`)."""
+        ...
+
     def rejoin(self, payload: Callable[[Placement], Any], replaced: set[int]) -> list[Placement]:
         """Only where `can_rejoin`, on a group whose attempt failed and whose ranks outside
         `replaced` were told to stay (a recovery in place, see `worker.peer_state`): start the

@@ -192,6 +192,10 @@ class LocalWorkerGroup:
                 self.send(rank, Rejoin(cloudpickle.dumps(payload(self.placements[rank]))))
         return self.placements
 
+    def kill(self, rank: int) -> None:
+        if self.procs[rank].is_alive():
+            self.procs[rank].kill()
+
     def _drop(self, rank: int) -> None:
         """Kill rank `rank`'s process if it still runs, and forget it."""
         proc, conn = self.procs[rank], self.conns[rank]

@@ -287,6 +287,9 @@ class RayWorkerGroup:
         self._run(payload, [self.placements[rank] for rank in sorted(replaced)])
         return self.placements
 
+    def kill(self, rank: int) -> None:
+        _kill([self.actors[rank]])
+
     def _greet(self) -> None:
         conn = self._listener.accept()
         if conn is None or not conn.poll(HANDSHAKE_S):
