@@ -27,9 +27,10 @@ Invariants checked at every launch and at the end of each trial:
   - with --jit (the loop's state in a TrainState with just-in-time checkpoints): when one
     rank dies or raises right after a report, the survivor's checkpoint of that round is
     committed (the kills of the survivor during that save are among the random kills);
-  - with --in-place (--jit, FailureConfig(recover_in_place=True, max_failures=2)): when one
-    rank dies or raises right after a report (or every rank raises), the next attempt of the
-    launch recovers in place from that round, reading nothing from storage, and its loop
+  - with --in-place (--jit, FailureConfig(recover_in_place=True, max_failures=2,
+    hang_timeout_s=6)): when one rank dies, raises or stops (SIGSTOP, found at the hang
+    timeout and killed alone) right after a report (or every rank raises), the next attempt
+    of the launch recovers in place from that round, reading nothing from storage, and its loop
     gets that round's state (kills of the sending survivor or of the receiving replacement
     in the middle of the transfer are among the faults: the launch then restarts from the
     newest committed checkpoint);
@@ -108,7 +109,8 @@ COMMIT_POINTS = ("before_marker", "after_marker", "before_rename", "after_rename
 RETENTION_POINTS = ("before_delete", "during_delete")
 OTHER_POINTS = ("before_replace",)
 S3_POINTS = ("after_fold", "during_copy_rename")  # steps only object stores take
-REPORT_ACTIONS = ("kill", "exit", "raise")
+REPORT_ACTIONS = ("kill", "exit", "raise")  # --in-place: also "stop" (SIGSTOP)
+HANG_S = 6.0  # --in-place: FailureConfig.hang_timeout_s, which finds a stopped rank
 MAX_KILLS = 4
 UPLOAD_MODE = {False: CheckpointUploadMode.SYNC, True: CheckpointUploadMode.ASYNC}
 ASYNC_SAVES = [False]  # --async: the loop's checkpoints are written in the background
@@ -261,7 +263,8 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=2 if IN_PLACE[0] else 0,
-                                                          recover_in_place=IN_PLACE[0])))
+                                                          recover_in_place=IN_PLACE[0],
+                                                          hang_timeout_s=HANG_S if IN_PLACE[0] else None)))
 
 
 def _driver(storage: str, name: str, log: str, how: str, fault: str | None, fault_log: str,
@@ -419,6 +422,8 @@ class Harness:
     def report_fault(self) -> tuple[str, str, None]:
         """Every rank, or one, raises, exits or is SIGKILLed right after sending report n."""
         action = self.rng.choice(REPORT_ACTIONS)
+        if IN_PLACE[0] and self.rng.random() < 0.2:
+            action = "stop"  # frozen: found at hang_timeout_s, then killed alone (or all restart)
         rank = self.rng.choice(["", ":0", ":1"])
         fault = f"after_report:{self.rng.randint(1, 6)}:{action}{rank}"
         if IN_PLACE[0] and rank:
@@ -578,6 +583,8 @@ class Harness:
                 self.counts["resizes"] += 1
             if attempt.get("in_place"):
                 self.check_in_place(path, log, previous, attempt, where)
+            killed = (attempt.get("hang") or {}).get("killed", [])
+            self.counts["in place: frozen ranks killed alone"] += len(killed)
         # Within a launch only an elastic resize starts another attempt (max_failures is 0); it
         # resumes from the checkpoint it asked for, the newest committed at its start.
         if new and new[0]["resumed_from"] != before:
