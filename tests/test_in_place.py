@@ -75,7 +75,8 @@ def test_a_rank_that_raised_stays_too_and_nobody_is_replaced(storage, reference,
     assert_same_run(result, reference, "rank 1 raised after report 6, recovered in place")
 
 
-def test_a_frozen_rank_is_killed_alone_at_the_hang_timeout_and_the_survivor_stays(storage, reference, tmp_path):
+def test_a_frozen_rank_is_killed_alone_at_the_hang_timeout_and_the_survivor_stays(storage, reference,
+                                                                                 tmp_path):
     # Rank 1 stops (SIGSTOP, as a frozen process) right after report 6, and rank 0 blocks in
     # step 7's all-reduce. At hang_timeout_s the driver asks both for their stacks; rank 1
     # cannot answer, so it alone is killed, and rank 0, released with a dead peer's error,

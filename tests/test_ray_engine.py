@@ -476,8 +476,8 @@ def test_exact_resume_on_ray_equals_the_local_engine_bit_for_bit(cluster, storag
     assert_same_run(on_ray, local, "Ray engine with a killed rank vs the local engine uninterrupted")
 
 
-def jit_run(engine: str, storage: str, name: str, in_place: bool = False, **config):
-    failures = FailureConfig(max_failures=1, recover_in_place=in_place)
+def jit_run(engine: str, storage: str, name: str, in_place: bool = False, hang_timeout_s=None, **config):
+    failures = FailureConfig(max_failures=1, recover_in_place=in_place, hang_timeout_s=hang_timeout_s)
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
                         scaling_config=ScalingConfig(num_workers=2, engine=engine),
                         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
@@ -494,16 +494,20 @@ def test_a_killed_rank_on_ray_resumes_from_the_survivors_checkpoint_bit_for_bit(
     assert_same_run(on_ray, local, "Ray engine, rank 1 killed after report 6, vs the local engine")
 
 
+@pytest.mark.parametrize("how", ["sigkill", pytest.param("sigstop", marks=pytest.mark.slow)])
 def test_a_killed_rank_on_ray_is_replaced_in_place_while_the_survivor_keeps_its_actor(
-        cluster, storage, tmp_path, monkeypatch):
-    # Rank 1's actor is SIGKILLed after report 6, once the group kept spares warm: rank 0's actor
-    # stays, rank 1 starts again on its spare, rank 0 sends it the state of round 6 over the new
-    # process group, and the run ends as the uninterrupted one on the local engine.
-    local = jit_run("local", storage, "in-place-local")
+        cluster, storage, tmp_path, monkeypatch, how):
+    # Rank 1's actor is SIGKILLed after report 6 (or stopped, then found at the hang timeout and
+    # killed alone), once the group kept spares warm: rank 0's actor stays, rank 1 starts again
+    # on its spare, rank 0 sends it the state of round 6 over the new process group, and the run
+    # ends as the uninterrupted one on the local engine.
+    local = jit_run("local", storage, f"in-place-local-{how}")
     monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)
-    on_ray = jit_run("ray", storage, "in-place-ray", in_place=True, pid_dir=str(tmp_path),
-                     die_after_report=[[6, 1, 1, "sigkill"]])
+    on_ray = jit_run("ray", storage, f"in-place-ray-{how}", in_place=True, pid_dir=str(tmp_path),
+                     die_after_report=[[6, 1, 1, how]], hang_timeout_s=5 if how == "sigstop" else None)
     first, second = attempts(on_ray)
+    if how == "sigstop":
+        assert first["hang"]["killed"] == [1], first
     assert second["in_place"] == {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}, second
     assert second["resumed_from"] is None and first.get("jit_checkpoint") is None
     pid = {(r, a): open(os.path.join(tmp_path, f"rank{r}-a{a}")).read() for r in (0, 1) for a in (1, 2)}
