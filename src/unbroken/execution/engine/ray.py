@@ -22,6 +22,7 @@ import contextlib
 import os
 import secrets
 import selectors
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -288,6 +289,13 @@ class RayWorkerGroup:
         return self.placements
 
     def kill(self, rank: int) -> None:
+        """SIGKILL the rank's process by a task on its node (`ray.kill` first asks the actor to
+        exit, which a stopped process never does), then end its actor."""
+        meta = self.metas[rank]
+        task = ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            meta["node_id"], soft=False))
+        with contextlib.suppress(Exception):  # its node is gone, with it
+            ray.get(task.remote(meta["pid"]), timeout=10)
         _kill([self.actors[rank]])
 
     def _greet(self) -> None:
@@ -434,6 +442,11 @@ class RayWorkerGroup:
         _kill(self.actors + self.spares)
         self.actors, self.spares = [], []
         self.release_placement()
+
+
+def _sigkill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _kill(actors: list[Any]) -> None:
