@@ -537,6 +537,35 @@ jit_run("ray", {storage!r}, "jit-lost-node", die_after_report=[[6, 1, 1, "hang"]
     assert_same_run(on_ray, jit_run("local", storage, "jit-local-2"), "Ray engine, rank 1's node removed")
 
 
+@pytest.mark.slow  # 30 s; in place on Ray above, a lost node's checkpoint just in time in the test before
+def test_a_removed_nodes_rank_is_replaced_in_place_on_another_node_bit_for_bit(cluster, storage, tmp_path):
+    # As above, with recover_in_place=True: rank 0 keeps its actor and sends the state of round
+    # 6 to rank 1, started again in its bundle, which Ray places on the node added in place of
+    # the lost one; nothing is saved to storage for it.
+    marker = str(tmp_path / "hung")
+    fifo = marker_fifo(marker)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    driver = start_script(f"""
+from test_ray_engine import jit_run
+jit_run("ray", {storage!r}, "in-place-lost-node", in_place=True, pid_dir={str(pid_dir)!r},
+        die_after_report=[[6, 1, 1, "hang"]], hang_marker={marker!r})
+""", RAY_ADDRESS=cluster.address)
+    lost = read_marker(fifo, driver, "rank 1 to block")
+    replace_node(cluster, lost)
+    _, err = driver.communicate(timeout=240)
+    assert driver.returncode == 0, err
+    on_ray = Result.from_path(os.path.join(storage, "in-place-lost-node"))
+    first, second = attempts(on_ray)
+    assert "lost with its node" in first["error"] or "node" in first["error"], first["error"]
+    assert second["in_place"] == {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}, second
+    assert second["resumed_from"] is None and first.get("jit_checkpoint") is None
+    pid = {(r, a): (pid_dir / f"rank{r}-a{a}").read_text() for r in (0, 1) for a in (1, 2)}
+    assert pid[(0, 1)] == pid[(0, 2)], "rank 0 kept its actor's process"
+    assert_same_run(on_ray, jit_run("local", storage, "in-place-local-lost"),
+                    "Ray engine, rank 1's node removed, recovered in place")
+
+
 # -- sweeps --------------------------------------------------------------------------------
 
 

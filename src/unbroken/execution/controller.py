@@ -302,11 +302,11 @@ class Controller:
                 yield rank, message
 
         self._in_place = in_place.settle(self.run, self._jit, group, rounds.num_workers,
-                                         self._may_stay(group, failures), lambda: rounds.running, events)
+                                         self._may_stay(group), lambda: rounds.running, events)
 
-    def _may_stay(self, group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> bool:
+    def _may_stay(self, group: WorkerGroup) -> bool:
         return in_place.allowed(self.run_config.failure_config, group, self._elastic is not None,
-                                self.policy.can_retry(), failures)
+                                self.policy.can_retry())
 
     def _drive(self, group: WorkerGroup) -> None:
         """Process worker messages until every worker is done; raise on any failure.
@@ -352,7 +352,7 @@ class Controller:
                     rounds.heard(now)
                 elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
                     in_place.free_hung(self.run, group, rounds.hang_error(hang_s),
-                                       self._may_stay(group, failures), self._jit.armed, failures)
+                                       self._may_stay(group), self._jit.armed, failures)
                 for rank, message in events:
                     self._take(group, rounds, failures, rank, message)
                 if failures:

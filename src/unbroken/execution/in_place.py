@@ -48,13 +48,12 @@ class InPlacePlan:
                 "replaced": list(self.replaced)}
 
 
-def allowed(failure_config: FailureConfig, group: Any, elastic: bool, retried: bool,
-            failures: list[tuple[int, BaseException]]) -> bool:
+def allowed(failure_config: FailureConfig, group: Any, elastic: bool, retried: bool) -> bool:
     """Whether the failure of an attempt may be recovered in place: the run asks for it, its
-    engine can start single ranks again, the run is not elastic, the failure policy would
-    retry it, and no node was lost (its ranks would have nowhere to start again)."""
-    return (failure_config.recover_in_place and getattr(group, "can_rejoin", False) and not elastic
-            and retried and not any(isinstance(e, WorkerDied) and e.node_lost for _, e in failures))
+    engine can start single ranks again (a lost node's ranks too: on Ray, in their bundles,
+    which Ray places on another node), the run is not elastic (a lost node shrinks it), and
+    the failure policy would retry it."""
+    return failure_config.recover_in_place and getattr(group, "can_rejoin", False) and not elastic and retried
 
 
 def free_hung(run: Run, group: Any, error: WorkerHangError, may_stay: bool, armed: set[int],

@@ -36,7 +36,7 @@ import ray
 import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from unbroken.execution.engine.ray_actor import cluster_address, connect, node_alive
+from unbroken.execution.engine.ray_actor import VERDICT_WAIT_S, cluster_address, connect, node_alive
 from unbroken.tune.trial import TrialPayload
 from unbroken.worker.protocol import TrialOutcome, TrialPlaced
 
@@ -44,9 +44,6 @@ from unbroken.worker.protocol import TrialOutcome, TrialPlaced
 JOIN_WAIT_S = 30.0
 # After a trial actor's process died: how long its node has to run a task before it counts as lost.
 NODE_ANSWER_S = 10.0
-# After a trial actor's node was lost: how long the trial waits for Ray's verdict on the node
-# (about 15 s with Ray's default health checks) before it is placed again all the same.
-VERDICT_WAIT_S = 60.0
 
 
 class TrialHost:

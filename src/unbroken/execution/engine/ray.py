@@ -19,6 +19,7 @@ lost at once (Ray's dead-node verdict comes ~15 s later, and the peers cannot pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import selectors
@@ -40,7 +41,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
-from unbroken.execution.engine.ray_actor import RankActor, connect, node_alive, versions
+from unbroken.execution.engine.ray_actor import RankActor, await_verdict, connect, node_alive, versions
 from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
 from unbroken.worker import stacks
@@ -268,7 +269,8 @@ class RayWorkerGroup:
     def rejoin(self, payload: Callable[[Placement], Any], replaced: set[int]) -> list[Placement]:
         """The next attempt on the ranks that stayed (a `Rejoin` over their connection); each
         rank in `replaced` is killed and started again in its bundle, on its spare when the
-        group kept one warm, else on a new actor."""
+        group kept one warm, else on a new actor (always after its node was lost: Ray places
+        the bundle on another node, see `_moved`)."""
         self._finished, self._ended, self._dying = set(), set(), {}
         for rank in sorted(replaced):
             conn, self.conns[rank] = self.conns[rank], None
@@ -281,12 +283,39 @@ class RayWorkerGroup:
             spare = self.spares[bundle] if self.spares else None
             if spare is not None:
                 self.spares[bundle] = None  # taken: the group is no longer warm for a restart
+            moved = self._lost_with_node(rank)
+            if moved:
+                _kill([spare])  # it was on the lost node too
+                spare = None
             self.actors[rank] = spare if spare is not None else self._actor(bundle)
+            if moved:
+                self._moved(rank)
         for rank in range(self.num_workers):
             if rank not in replaced:
                 self.send(rank, Rejoin(cloudpickle.dumps(payload(self.placements[rank]))))
         self._run(payload, [self.placements[rank] for rank in sorted(replaced)])
         return self.placements
+
+    def _lost_with_node(self, rank: int) -> bool:
+        """Whether rank `rank` was lost with its node; if so, once Ray has declared the node
+        dead (`await_verdict`), so that its bundle is placed on another node."""
+        ended, _ = ray.wait([self.refs[rank]], timeout=0)
+        died = self._died(rank) if ended else None
+        if died is None or not died.node_lost:
+            return False
+        await_verdict(self.metas[rank]["node_id"])
+        return True
+
+    def _moved(self, rank: int) -> None:
+        """Rank `rank`'s node was lost: its new actor starts once Ray has placed its bundle on a
+        live node (within START_TIMEOUT_S); the rank's placement follows it there, after the
+        ranks already on that node."""
+        meta = ray.get(self.actors[rank].meta.remote(), timeout=START_TIMEOUT_S)
+        old, self.metas[rank] = self.placements[rank], meta
+        there = [p for p in self.placements if p.rank != rank and p.node_id == meta["node_id"]]
+        self.placements[rank] = dataclasses.replace(
+            old, node_rank=there[0].node_rank if there else old.node_rank, local_rank=len(there),
+            local_world_size=len(there) + 1, node_id=meta["node_id"], node_address=meta["address"])
 
     def kill(self, rank: int) -> None:
         """SIGKILL the rank's process by a task on its node (`ray.kill` first asks the actor to

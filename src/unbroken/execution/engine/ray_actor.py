@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Client
 from typing import Any
 
@@ -47,6 +48,19 @@ def cluster_address() -> str:
 def node_alive(node_id: str) -> bool:
     """Whether Ray counts the node `node_id` among its live nodes."""
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+# After a node was lost: how long to wait for Ray's verdict on it (about 15 s with Ray's
+# default health checks) before placing anew all the same. What is placed before the verdict
+# can land on the dying node again.
+VERDICT_WAIT_S = 60.0
+
+
+def await_verdict(node_id: str, wait_s: float = VERDICT_WAIT_S) -> None:
+    """Return once Ray no longer lists node `node_id` alive, or after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while node_alive(node_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def versions() -> dict[str, str]:
