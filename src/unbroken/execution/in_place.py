@@ -4,8 +4,9 @@ start on the ranks that are still alive, from the state of the last complete rou
 of them holds, and tell them to stay.
 
 Possible when the run asks for it (`FailureConfig(recover_in_place=True)`), the engine can
-start single ranks again (`WorkerGroup.can_rejoin`), the run is not elastic, no node was
-lost, and the ranks' TrainState is armed for just-in-time checkpoints. The offers are
+start single ranks again (`WorkerGroup.can_rejoin`; on Ray a lost node's rank starts again
+in its bundle, which Ray places on another node), the run is not elastic, and the ranks'
+TrainState is armed for just-in-time checkpoints. The offers are
 those of the just-in-time protocol (`worker.jit`): the lowest rank that offers the
 attempt's last complete round is the source; every rank that offered and is alive stays;
 the others (dead, told they cannot help, or silent for `OFFER_WAIT_S`, e.g. blocked for
