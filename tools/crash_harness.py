@@ -583,6 +583,8 @@ class Harness:
                 self.counts["resizes"] += 1
             if attempt.get("in_place"):
                 self.check_in_place(path, log, previous, attempt, where)
+                after = (previous or {}).get("error") or ""
+                self.counts["in place: after a lost node"] += "with its node" in after
             killed = (attempt.get("hang") or {}).get("killed", [])
             self.counts["in place: frozen ranks killed alone"] += len(killed)
         # Within a launch only an elastic resize starts another attempt (max_failures is 0); it
