@@ -352,7 +352,7 @@ class Controller:
                     rounds.heard(now)
                 elif hang_s is not None and rounds.hang_left(now, hang_s) <= 0 and not failures:
                     in_place.free_hung(self.run, group, rounds.hang_error(hang_s),
-                                       self._may_stay(group), self._jit.armed, failures)
+                                       self._may_stay(group), self._jit.armed, rounds.running, failures)
                 for rank, message in events:
                     self._take(group, rounds, failures, rank, message)
                 if failures:

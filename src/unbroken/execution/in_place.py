@@ -58,18 +58,17 @@ def allowed(failure_config: FailureConfig, group: Any, elastic: bool, retried: b
 
 
 def free_hung(run: Run, group: Any, error: WorkerHangError, may_stay: bool, armed: set[int],
-              failures: list[tuple[int, BaseException]]) -> None:
+              running: set[int], failures: list[tuple[int, BaseException]]) -> None:
     """Attempt `run.attempt` hung (`error`): where it may recover in place (`may_stay`, every
-    rank `armed`), capture where each rank was (`hang_stacks.capture`) and kill, alone, the
-    ranks that could not write their stacks (named in the attempt record, `hang["killed"]`);
-    the hang is then the attempt's first failure (in `failures`) and the others fail, offer
-    and stay as after any death. Otherwise raises `error` (the attempt ends as before); so
-    too when every rank wrote its stacks (a wait in Python code: which rank is to blame is
-    not known) or none did."""
-    ranks = set(range(group.num_workers))
-    at = hang_stacks.capture(run, group, error) if may_stay and armed == ranks else {}
-    hung = sorted(int(rank) for rank, where in at.items() if where is None)
-    if not hung or len(hung) == len(ranks):
+    rank still `running` is `armed`), capture where each rank was (`hang_stacks.capture`) and
+    kill, alone, the running ranks that could not write their stacks (named in the attempt
+    record, `hang["killed"]`); the hang is then the attempt's first failure (in `failures`)
+    and the others fail, offer and stay as after any death. Otherwise raises `error` (the
+    attempt ends as before); so too when every running rank wrote its stacks (a wait in
+    Python code: which rank is to blame is not known) or none did."""
+    at = hang_stacks.capture(run, group, error) if may_stay and running <= armed else {}
+    hung = sorted(rank for rank in running if str(rank) in at and at[str(rank)] is None)
+    if not hung or len(hung) == len(running):
         raise error
     for rank in hung:
         group.kill(rank)
