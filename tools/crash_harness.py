@@ -70,6 +70,7 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -585,6 +586,11 @@ class Harness:
                 self.check_in_place(path, log, previous, attempt, where)
                 after = (previous or {}).get("error") or ""
                 self.counts["in place: after a lost node"] += "with its node" in after
+            if IN_PLACE[0] and "with its node" in (attempt.get("error") or ""):
+                self.counts["in place: attempts lost with a node"] += 1
+                if jit and not jit["iteration"]:  # why the next attempt could not stay in place
+                    why = re.sub(r"[0-9]+", "N", jit["why_not"])
+                    self.counts[f"in place: not after a lost node: {why}"] += 1
             killed = (attempt.get("hang") or {}).get("killed", [])
             self.counts["in place: frozen ranks killed alone"] += len(killed)
         # Within a launch only an elastic resize starts another attempt (max_failures is 0); it
