@@ -33,7 +33,8 @@ Invariants checked at every launch and at the end of each trial:
     of the launch recovers in place from that round, reading nothing from storage, and its loop
     gets that round's state (kills of the sending survivor or of the receiving replacement
     in the middle of the transfer are among the faults: the launch then restarts from the
-    newest committed checkpoint);
+    newest committed checkpoint; with --ray too, a rank that blocks right after a report and
+    then loses its node, which the next attempt must also recover in place from);
   - a full disk fails the launch with StorageFullError, and the next launch (with room
     again) resumes;
   - a second driver started while the first holds the run fails with LeaseHeldError naming
@@ -422,6 +423,10 @@ class Harness:
 
     def report_fault(self) -> tuple[str, str, None]:
         """Every rank, or one, raises, exits or is SIGKILLed right after sending report n."""
+        if self.cluster is not None and IN_PLACE[0] and self.rng.random() < 0.3:
+            # one rank blocks right after report n, and its node is lost then (lose_struck_node)
+            rank = self.rng.choice(":0 :1".split())
+            return "report-node-loss", f"after_report:{self.rng.randint(1, 6)}:block{rank}:once", None
         action = self.rng.choice(REPORT_ACTIONS)
         if IN_PLACE[0] and self.rng.random() < 0.2:
             action = "stop"  # frozen: found at hang_timeout_s, then killed alone (or all restart)
@@ -434,6 +439,17 @@ class Harness:
         elif JIT[0] and rank and self.rng.random() < 0.3:
             fault += ",during_jit_save:1:kill"  # and the survivor dies while it saves the round
         return "report-fault", fault, None
+
+    def lose_struck_node(self, proc: Any, fault_log: str) -> None:
+        """Once the report fault struck (a rank blocks right after its report), lose the node
+        that runs the rank's process, as a machine lost at that moment."""
+        while proc.is_alive():
+            struck = open(fault_log).read().split() if os.path.exists(fault_log) else []
+            if struck:
+                lost = self.cluster.lose_node(struck[1])
+                self.counts["nodes lost right after a report"] += lost != "-"
+                return
+            time.sleep(0.05)
 
     def trial(self, index: int) -> None:
         storage = f"{self.root}/trial-{index}"
@@ -459,6 +475,8 @@ class Harness:
                 self.disk.leave_free(self.rng.randint(0, 40) * 4096)
             proc, outcome = self.launch(storage, name, log, how, fault)
             self.counts["launches"] += 1
+            if kind == "report-node-loss":
+                self.lose_struck_node(proc, fault_log)
             proc.join(delay)
             struck = None
             second = self.start_second(proc, storage, name, log, exists) if kind == "second-driver" else None
@@ -831,9 +849,10 @@ class RayCluster:
         self.proc.stdin.flush()
         return self.proc.stdout.readline().split()[1]
 
-    def lose_node(self) -> str:
-        """Remove a node without warning and add a replacement."""
-        return self._ask("lose")
+    def lose_node(self, pid: str | None = None) -> str:
+        """Remove a node without warning (the one running process `pid` if given) and add a
+        replacement; returns the lost node's id ("-": no node runs `pid`)."""
+        return self._ask(f"lose {pid}" if pid else "lose")
 
     def remove_node(self) -> str:
         """Remove a node without warning, and no replacement."""

@@ -8,6 +8,9 @@ Then reads commands from stdin, one per line, and answers each with one line:
   lose       remove a random worker node without warning, add a replacement -> "lost <node id>"
   remove     remove a random worker node without warning, no replacement -> "removed <node id>"
   add        add a worker node -> "added <node id>"
+  lose PID   remove the worker node that runs process PID (a Ray worker: its parent is that
+             node's raylet) without warning, add a replacement -> "lost <node id>" ("lost -":
+             no node runs it)
 Ends (and shuts the cluster down) when stdin closes.
 """
 
@@ -32,9 +35,12 @@ def main() -> int:
     print("address", cluster.address, flush=True)
     try:
         for line in sys.stdin:
-            command = line.strip()
+            command, _, pid = line.strip().partition(" ")
             if command in ("lose", "remove"):
-                node = rng.choice(workers)
+                node = _running(workers, pid) if pid else rng.choice(workers)
+                if node is None:
+                    print("lost -", flush=True)
+                    continue
                 workers.remove(node)
                 cluster.remove_node(node, allow_graceful=False)
                 if command == "lose":
@@ -48,6 +54,16 @@ def main() -> int:
             ray.shutdown()
         cluster.shutdown()
     return 0
+
+
+def _running(workers: list, pid: str):
+    """The node whose raylet is the parent of process `pid` (a Ray worker), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return next((n for n in workers if n.all_processes["raylet"][0].process.pid == parent), None)
 
 
 if __name__ == "__main__":

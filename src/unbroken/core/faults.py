@@ -1,10 +1,11 @@
 """Fault injection for crash tests: `UNBROKEN_FAULT=<point>[:<n>[:<action>[:<rank>[:once]]]]`
 strikes this process the n-th time (default: first) it passes `point`. The action is `kill` (SIGKILL,
 the default), `exit` (`os._exit(3)`, no clean-up), `raise` (InjectedFault, as if the code
-right after the point raised) or `stop` (SIGSTOP: a frozen process, which answers nothing
-until it is killed). With a rank, only the worker of that world rank is struck. Several
-specs, separated by commas, each strike at their own point (e.g. a rank killed after a
-report, and then the survivor during its just-in-time save). With
+right after the point raised), `stop` (SIGSTOP: a frozen process, which answers nothing
+until it is killed) or `block` (waits for ever in Python, as a deadlocked rank). With a
+rank, only the worker of that world rank is struck. Several specs, separated by commas, each
+strike at their own point (e.g. a rank killed after a report, and then the survivor during
+its just-in-time save). With
 `UNBROKEN_FAULT_LOG=<file>` it first appends the point's name and pid to that file, so a
 harness can tell an injected fault from a real failure; `once` then strikes only if that file
 has no strike of the point yet (a rank started again in a new process does not strike again).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 _counts: dict[str, int] = {}  # passes of each point named in UNBROKEN_FAULT so far
 
@@ -75,4 +77,6 @@ def _strike(name: str, rest: str) -> None:
             raise InjectedFault(f"injected fault at {name}")
         if action == "exit":
             os._exit(3)
+        if action == "block":
+            threading.Event().wait()
         os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
