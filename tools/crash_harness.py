@@ -422,7 +422,9 @@ class Harness:
         return ("lose-node" if self.cluster is not None and r < 0.92 else "kill-worker"), None, delay
 
     def report_fault(self) -> tuple[str, str, None]:
-        """Every rank, or one, raises, exits or is SIGKILLed right after sending report n."""
+        """Every rank, or one, raises, exits or is SIGKILLed (--in-place: or stopped) right
+        after sending report n; with --ray --in-place, one rank may instead block there and
+        lose its node (`lose_struck_node`)."""
         if self.cluster is not None and IN_PLACE[0] and self.rng.random() < 0.3:
             # one rank blocks right after report n, and its node is lost then (lose_struck_node)
             rank = self.rng.choice(":0 :1".split())
