@@ -100,15 +100,28 @@ def plan(coordinator: Coordinator, group: Any, target: int | None, num_workers: 
     """Wait (at most OFFER_WAIT_S) for the armed ranks still `running` to offer, then choose
     the source for round `target` and send `Stay` to every rank that stays. None, with
     nothing sent, when no live rank offers round `target`. `events(timeout)`: the group's
-    next events, each already taken by the controller (offers reach `coordinator`)."""
-    deadline = time.monotonic() + OFFER_WAIT_S
-    while running() & coordinator.armed and time.monotonic() < deadline:
-        for rank, message in events(min(0.1, max(0.0, deadline - time.monotonic()))):
-            if isinstance(message, WorkerDied):
-                coordinator.dead.add(rank)
-    gone = coordinator.answered | coordinator.dead
-    live = sorted(r for r in coordinator.offers if r not in gone)
-    holders = [r for r in live if coordinator.offers[r].iteration == target]
+    next events, each already taken by the controller (offers reach `coordinator`).
+
+    A failed rank that cannot help (told so when it offered) ends its attempt, but its process
+    may live on and keep the connections its peers are blocked on (a Ray actor outlives its
+    attempt): when no rank has offered round `target` after the wait, such ranks are killed,
+    which releases the blocked ones, and the wait begins again once."""
+    def offers_after_wait() -> tuple[list[int], list[int]]:
+        deadline = time.monotonic() + OFFER_WAIT_S
+        while running() & coordinator.armed and time.monotonic() < deadline:
+            for rank, message in events(min(0.1, max(0.0, deadline - time.monotonic()))):
+                if isinstance(message, WorkerDied):
+                    coordinator.dead.add(rank)
+        gone = coordinator.answered | coordinator.dead
+        live = sorted(r for r in coordinator.offers if r not in gone)
+        return live, [r for r in live if coordinator.offers[r].iteration == target]
+
+    live, holders = offers_after_wait()
+    let_go = coordinator.answered - coordinator.dead
+    if target is not None and not holders and running() & coordinator.armed and let_go:
+        for rank in let_go:
+            group.kill(rank)
+        live, holders = offers_after_wait()
     if target is None or not holders:
         return None
     for rank in live:
