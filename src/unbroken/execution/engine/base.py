@@ -122,7 +122,8 @@ class WorkerGroup(Protocol):
     def kill(self, rank: int) -> None:
         """Only where `can_rejoin`: kill rank `rank` at once (SIGKILL, which also ends a
         stopped process); the others run on, and its death is reported by `poll` as any
-        death is. Used when a hang is recovered in place (`execution.in_place.free_hung`)."""
+        death is. Used by in-place recovery (`execution.in_place`): a hang's frozen ranks, and
+        failed ranks whose live process keeps their peers blocked in a collective."""
         ...
 
     def rejoin(self, payload: Callable[[Placement], Any], replaced: set[int]) -> list[Placement]:
