@@ -612,7 +612,8 @@ class Harness:
                     why = re.sub(r"[0-9]+", "N", jit["why_not"])
                     self.counts[f"in place: not after a lost node: {why}"] += 1
             killed = (attempt.get("hang") or {}).get("killed", [])
-            self.counts["in place: frozen ranks killed alone"] += len(killed)
+            if killed:
+                self.counts["in place: frozen ranks killed alone"] += len(killed)
         # Within a launch only an elastic resize starts another attempt (max_failures is 0); it
         # resumes from the checkpoint it asked for, the newest committed at its start.
         if new and new[0]["resumed_from"] != before:

@@ -49,6 +49,8 @@ def root_cause(group: WorkerGroup, failures: list[tuple[int, BaseException]]) ->
     if isinstance(first, WorkerDied):
         return WorkerError(str(first), rank=rank)
     for killed in group.lost_ranks(ROOT_CAUSE_WAIT_S):
+        if killed.rank == rank:
+            continue  # killed after its own error (e.g. let go by in-place recovery): not the cause
         error = WorkerError(f"{killed}; then rank {rank} failed with {first_line(first)}", rank=killed.rank)
         error.__cause__ = first
         return error
