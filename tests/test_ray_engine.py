@@ -494,17 +494,25 @@ def test_a_killed_rank_on_ray_resumes_from_the_survivors_checkpoint_bit_for_bit(
     assert_same_run(on_ray, local, "Ray engine, rank 1 killed after report 6, vs the local engine")
 
 
-@pytest.mark.parametrize("how", ["sigkill", pytest.param("sigstop", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["sigkill", pytest.param("sigstop", marks=pytest.mark.slow),
+                                 pytest.param("raise-untracked", marks=pytest.mark.slow)])
 def test_a_killed_rank_on_ray_is_replaced_in_place_while_the_survivor_keeps_its_actor(
         cluster, storage, tmp_path, monkeypatch, how):
     # Rank 1's actor is SIGKILLed after report 6 (or stopped, then found at the hang timeout and
     # killed alone), once the group kept spares warm: rank 0's actor stays, rank 1 starts again
     # on its spare, rank 0 sends it the state of round 6 over the new process group, and the run
-    # ends as the uninterrupted one on the local engine.
+    # ends as the uninterrupted one on the local engine. "raise-untracked": rank 1 raises right
+    # after sending report 6, before its state took it in, so it cannot help; its actor outlives
+    # its attempt and keeps rank 0 blocked, until the driver kills it and rank 0 offers round 6.
     local = jit_run("local", storage, f"in-place-local-{how}")
     monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)
+    dies = [[6, 1, 1, how]]
+    if how == "raise-untracked":
+        monkeypatch.setenv("UNBROKEN_FAULT", "after_report:6:raise:1:once")
+        monkeypatch.setenv("UNBROKEN_FAULT_LOG", str(tmp_path / "faults"))
+        dies = []
     on_ray = jit_run("ray", storage, f"in-place-ray-{how}", in_place=True, pid_dir=str(tmp_path),
-                     die_after_report=[[6, 1, 1, how]], hang_timeout_s=5 if how == "sigstop" else None)
+                     die_after_report=dies, hang_timeout_s=5 if how == "sigstop" else None)
     first, second = attempts(on_ray)
     if how == "sigstop":
         assert first["hang"]["killed"] == [1], first
