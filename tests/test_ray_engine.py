@@ -310,7 +310,7 @@ def test_a_run_on_object_storage_shared_by_every_node_survives_a_killed_rank(clu
 def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_checkpoint(
         cluster, storage, tmp_path, monkeypatch):
     monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)  # warm up at the first round
-    result = trainer(storage, "failing-ranks", str(tmp_path), max_failures=3, hang_timeout_s=10,
+    result = trainer(storage, "failing-ranks", str(tmp_path), max_failures=3, hang_timeout_s=6,
                      kill_worker_at=[5, 1], fail_at=[6, 2], hang_at=[7, 3]).fit()
     assert iterations(result) == list(range(1, 9))
     killed, raised, stuck, finished = attempts(result)
