@@ -174,6 +174,9 @@ class FakeWorkerGroup:
     def release_placement(self) -> None:
         self.released = True
 
+    def idle_slots(self) -> int:
+        return 0
+
     def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         self.shut_down = kill
         self.kept_warm = keep_warm

@@ -237,6 +237,7 @@ def exact_loop(config: dict) -> None:
     die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|sigstop|hang) striking
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
     its process id to rank<r>-a<attempt> there. `deterministic`: deterministic algorithms only.
+    `step_s`: seconds each step takes longer.
     """
     from unbroken.train.torch import TrainState, prepare_data_loader
 
@@ -294,6 +295,7 @@ def exact_loop(config: dict) -> None:
                     threading.Event().wait() if mode == "hang" else _die(mode, step)
             if config.get("echo") and rank == 0:
                 print(f"STEP {state.step}", flush=True)
+            time.sleep(config.get("step_s", 0))  # a slower step: the run is still going when a node returns
         state.epoch = epoch + 1
     state.report({"final": True, "step": state.step}, checkpoint=True)
 

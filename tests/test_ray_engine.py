@@ -574,6 +574,78 @@ jit_run("ray", {storage!r}, "in-place-lost-node", in_place=True, pid_dir={str(pi
                     "Ray engine, rank 1's node removed, recovered in place")
 
 
+def test_an_elastic_run_shrinks_in_place_on_a_lost_node_then_grows_when_one_returns(
+        cluster, storage, tmp_path):
+    """num_workers=(2, 3), recover_in_place: rank 2 blocks after report 6 and its node is removed
+    with no node in its place. Ranks 0 and 1 keep their actors' processes and go on as a run of 2
+    from round 6, with the state rank 0 holds, without waiting for capacity and without reading
+    storage. A node is then added; Ray places the lost rank's bundle there, and the run grows back
+    to 3 at a checkpoint. Each iteration once, and each sample once per epoch across both sizes."""
+    _add_node(cluster, "node_c", cluster.node_env)
+    cluster.wait_for_nodes()
+    marker, pid_dir = str(tmp_path / "hung"), tmp_path / "pids"
+    fifo = marker_fifo(marker)
+    pid_dir.mkdir()
+    driver = start_script(f"""
+from test_exact_resume import BASE, exact_loop
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "pid_dir": {str(pid_dir)!r}, "step_s": 0.4,
+        "echo": True, "die_after_report": [[6, 1, 2, "hang"]], "hang_marker": {marker!r}}},
+    scaling_config=ScalingConfig(num_workers=(2, 3), engine="ray", elastic_resize_monitor_interval_s=1),
+    run_config=RunConfig(name="shrink-in-place", storage_path={storage!r}, verbose=0,
+                         failure_config=FailureConfig(max_failures=1, recover_in_place=True))).fit()
+""", RAY_ADDRESS=cluster.address)
+    try:
+        lost = read_marker(fifo, driver, "rank 2 to block after report 6")
+        name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == lost)
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == lost),
+                            allow_graceful=False)
+        read_until(driver, "STEP 7")  # the run goes on with 2 ranks
+        _add_node(cluster, name, {**cluster.node_env, **({OTHER_ROOT: cluster.other_root} if name == "node_b"
+                                                         else {})})
+        _, err = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        extra = node_named("node_c")
+        if extra is not None:
+            cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == extra),
+                                allow_graceful=False)
+    assert driver.returncode == 0, err
+    result = Result.from_path(os.path.join(storage, "shrink-in-place"))
+    first, second, third = attempts(result)
+    assert "rank 2 (of the ray engine) was lost with its node" in first["error"], first["error"]
+    assert second["in_place"] == {"iteration": 6, "source": 0, "kept": [0, 1], "replaced": [], "dropped": [2]}
+    assert (second["num_workers"], second["elastic"]["reason"], second["status"]) == \
+        (2, "node lost", "RESIZED")
+    assert second["resumed_from"] is None and first.get("jit_checkpoint") is None, \
+        "nothing went through storage"
+    assert [(pid_dir / f"rank{r}-a1").read_text() for r in (0, 1)] == \
+        [(pid_dir / f"rank{r}-a2").read_text() for r in (0, 1)], "ranks 0 and 1 kept their processes"
+    assert (third["num_workers"], third["elastic"]["reason"]) == (3, "capacity returned"), third
+    rows = result.metrics_dataframe
+    assert rows["training_iteration"].tolist() == list(range(1, len(rows) + 1)), "each iteration once"
+    sizes = [len(losses) for losses in rows["losses"].dropna()]
+    assert sizes[:6] == [3] * 6 and 2 in sizes[6:] and sizes[-1] == 3, sizes
+    seen: dict[int, list[int]] = {}
+    before_growth: dict[int, list[int]] = {}
+    columns = rows["training_iteration"], rows["epoch"], rows["indices"]
+    for iteration, epoch, indices in zip(*columns, strict=True):
+        if isinstance(indices, list):
+            taken = [i for batch in indices for i in batch]
+            seen.setdefault(int(epoch), []).extend(taken)
+            if iteration <= third["resumed_iteration"]:
+                before_growth.setdefault(int(epoch), []).extend(taken)
+    # Each sample once per epoch; a segment that 3 ranks share unevenly is padded with repeats
+    # (as torch's DistributedSampler pads): the rest of an epoch after the growth may be one.
+    for epoch in range(BASE["epochs"]):
+        assert set(seen[epoch]) == set(range(BASE["samples"])), (epoch, seen[epoch])
+        assert len(seen[epoch]) - BASE["samples"] < 3, (epoch, seen[epoch])
+        before = before_growth.get(epoch, [])
+        assert len(set(before)) == len(before), "no sample twice in an epoch before the growth"
+
+
 # -- sweeps --------------------------------------------------------------------------------
 
 

@@ -153,8 +153,8 @@ class Controller:
         self._transition(states.Starting(self.run.manifest.attempt_count + 1))
         self._placements, self._failures, self._in_place = [], [], None
         rejoin, self._rejoin = self._rejoin, None
-        elastic = self._size_attempt() if self._elastic is not None else None
         peer = rejoin[1] if rejoin is not None else None
+        elastic = self._size_attempt(peer) if self._elastic is not None else None
         resume = self.run.begin_attempt(self.scaling.num_workers, elastic, peer.record() if peer else None)
         attempt = self.run.attempt.number
         if peer is not None:
@@ -201,23 +201,17 @@ class Controller:
         self._transition(states.Finished())
         return True
 
-    def _size_attempt(self) -> dict[str, Any]:
-        """An elastic run: size this attempt from what can be placed now, counting what the
-        previous group kept warm unless it lost a node (it released its placement then); a
-        warm group of another size than this attempt's releases its placement too, and the
-        new group starts on its spares where it can. Returns the attempt's record;
-        ends the run as ERRORED when too few workers can be placed in time."""
-        held = self._warm.num_workers if self._warm is not None and self._elastic.reason != "node lost" else 0
+    def _size_attempt(self, peer: InPlacePlan | None) -> dict[str, Any]:
+        """An elastic run: size this attempt (`ElasticScaler.size`). Returns the attempt's
+        record; ends the run as ERRORED when too few workers can be placed in time."""
         try:
-            self.scaling, record = self._elastic.next_attempt(held)
+            self.scaling, record = self._elastic.size(self._warm, peer.size if peer is not None else None)
         except InsufficientResourcesError as error:
             self._transition(states.Errored(error))
             self._record(self.run.finish, mf.ERRORED)
             raise give_up_error(error, f"run {self.run.path!r} stopped: {first_line(error)}\n"
                                 f"The run and its checkpoints are kept; continue it with {self.restore_hint}"
                                 ) from error
-        if self._warm is not None and self._warm.num_workers != self.scaling.num_workers:
-            self._warm.release_placement()
         log.info("run %s: %d workers (%s; %d placeable, at most %d)", self.run.path, self.scaling.num_workers,
                  record["reason"], record["capacity"], self._elastic.sizing.max_workers)
         return record
@@ -231,6 +225,8 @@ class Controller:
         payload = functools.partial(
             rank_payload, self.run, self._worker_trainer, self.scaling, self._validations.config is not None,
             resume, probe, (peer.source, peer.iteration) if peer is not None else None)
+        if peer is not None and peer.dropped:
+            group.drop(set(peer.dropped))
         self._placements = (group.rejoin(payload, set(peer.replaced)) if peer is not None
                             else group.start(payload))
         self._started = time.monotonic()
@@ -245,7 +241,7 @@ class Controller:
             if self._warm is not None:
                 self._warm.shutdown(kill=True)
             self._warm = group
-            if any(isinstance(e, WorkerDied) and e.node_lost for _, e in self._failures):
+            if in_place.lost_with_node(self._failures):
                 group.release_placement()  # what it held on the lost node is gone; spares elsewhere stay
 
     def _gives_up(self, error: BaseException, attempt: int) -> bool:
@@ -301,12 +297,16 @@ class Controller:
                 self._take(group, rounds, failures, rank, message)
                 yield rank, message
 
-        self._in_place = in_place.settle(self.run, self._jit, group, rounds.num_workers,
-                                         self._may_stay(group), lambda: rounds.running, events)
+        plan = in_place.settle(self.run, self._jit, group, rounds.num_workers,
+                               self._may_stay(group), lambda: rounds.running, events)
+        lost = in_place.lost_with_node(failures) if self._elastic is not None else set()
+        self._in_place = plan.without(lost) if plan is not None and lost else plan  # an elastic run shrinks
 
     def _may_stay(self, group: WorkerGroup) -> bool:
-        return in_place.allowed(self.run_config.failure_config, group, self._elastic is not None,
-                                self.policy.can_retry())
+        lost = in_place.lost_with_node(self._failures) if self._elastic is not None else set()
+        least = self._elastic.sizing.min_workers if self._elastic is not None else 0
+        return in_place.allowed(self.run_config.failure_config, group, self.policy.can_retry(),
+                                self.scaling.num_workers - len(lost) >= least)
 
     def _drive(self, group: WorkerGroup) -> None:
         """Process worker messages until every worker is done; raise on any failure.
@@ -331,7 +331,7 @@ class Controller:
                 self.run.lease.beat()
                 signals = self._take_signals(signals)
                 if self._elastic is not None and isinstance(self.state, states.Running) and not failures:
-                    self._grow_when_possible()
+                    self._grow_when_possible(group)
                 now = time.monotonic()
                 timeout = POLL_S
                 if failures:
@@ -362,10 +362,10 @@ class Controller:
         finally:
             self._saves.close()  # the rounds behind a save that never committed
 
-    def _grow_when_possible(self) -> None:
+    def _grow_when_possible(self, group: WorkerGroup) -> None:
         """An elastic run below max_workers: when a check is due and more workers can be placed,
         ask for a checkpoint at the next report and a stop after it (then a larger attempt)."""
-        target = self._elastic.grow_to()
+        target = self._elastic.grow_to(group.idle_slots)
         if target is not None:
             self._transition(states.Stopping(self.run.attempt.number, None, resize_to=target))
             log.info("run %s: %d workers can be placed now; resizing from %d at the next report's "

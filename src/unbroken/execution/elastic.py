@@ -146,6 +146,24 @@ class ElasticScaler:
         self.sizing.started(self.clock())
         return self.base.fixed(n), record
 
+    def size(self, warm: Any, in_place: int | None) -> tuple[ScalingConfig, dict[str, Any]]:
+        """The next attempt's scaling and record. Recovering in place (`in_place`: the failed
+        attempt's ranks whose nodes are alive), that many, at once, without asking the engine.
+        Otherwise from what can be placed now (`next_attempt`), counting what the previous group
+        kept warm (`warm`, a WorkerGroup) unless it lost a node (it released its placement
+        then); a warm group of another size than the attempt's releases its placement too, and
+        the new group starts on its spares where it can."""
+        if in_place is not None:
+            record = {"reason": self.reason, "capacity": in_place, "previous": self.current, "waited_s": 0.0}
+            self.current = in_place
+            self.sizing.started(self.clock())
+            return self.base.fixed(in_place), record
+        held = warm.num_workers if warm is not None and self.reason != "node lost" else 0
+        scaling, record = self.next_attempt(held)
+        if warm is not None and warm.num_workers != scaling.num_workers:
+            warm.release_placement()
+        return scaling, record
+
     def _wait_for_more(self) -> float:
         """How long the next attempt waits for more than min_workers: a first start a little,
         a restart after a lost node not at all (its capacity will not come back soon)."""
@@ -158,14 +176,16 @@ class ElasticScaler:
         self.lost_nodes |= {node for node, node_lost in lost if node_lost}
         self.reason = "node lost" if any(n for _, n in lost) else "rank lost" if lost else "failure"
 
-    def grow_to(self) -> int | None:
+    def grow_to(self, idle: Callable[[], int] = lambda: 0) -> int | None:
         """While an attempt trains: the size to grow to, when a check is due and more workers
-        can be placed now; else None."""
+        can be placed now (`idle()`: slots the running group holds and no rank uses, e.g. what
+        an engine placed again for ranks the run went on without); else None."""
         now = self.clock()
         current = self.current or 0
         if not self.sizing.check_due(now, current):
             return None
-        extra = self.probe(self.lost_nodes, self.sizing.max_workers - current)
+        held = idle()
+        extra = held + self.probe(self.lost_nodes, max(0, self.sizing.max_workers - current - held))
         target = self.sizing.grow_to(now, current, current + extra)
         if target is not None:
             self.reason = "capacity returned"

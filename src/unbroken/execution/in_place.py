@@ -5,8 +5,10 @@ of them holds, and tell them to stay.
 
 Possible when the run asks for it (`FailureConfig(recover_in_place=True)`), the engine can
 start single ranks again (`WorkerGroup.can_rejoin`; on Ray a lost node's rank starts again
-in its bundle, which Ray places on another node), the run is not elastic, and the ranks'
-TrainState is armed for just-in-time checkpoints. The offers are
+in its bundle, which Ray places on another node), and the ranks' TrainState is armed for
+just-in-time checkpoints. An elastic run does not wait for a lost node's ranks to be placed
+again: it shrinks in place (`InPlacePlan.without`), going on with the ranks whose nodes are
+alive, numbered again in order, when they are at least `min_workers`. The offers are
 those of the just-in-time protocol (`worker.jit`): the lowest rank that offers the
 attempt's last complete round is the source; every rank that offered and is alive stays;
 the others (dead, told they cannot help, or silent for `OFFER_WAIT_S`, e.g. blocked for
@@ -42,19 +44,41 @@ class InPlacePlan:
     source: int                 # the rank that sends its state of that round to every rank
     kept: tuple[int, ...]       # the ranks that keep their processes
     replaced: tuple[int, ...]   # the ranks started again in new processes
+    # The ranks of the failed attempt (numbered as there) that the next one goes on without: an
+    # elastic run's ranks lost with their node. The others are numbered again in order, and
+    # `source`, `kept` and `replaced` are their new numbers.
+    dropped: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """How many ranks the attempt recovering in place has."""
+        return len(self.kept) + len(self.replaced)
 
     def record(self) -> dict[str, Any]:
         """What the attempt record keeps of it (Attempt.in_place)."""
         return {"iteration": self.iteration, "source": self.source, "kept": list(self.kept),
-                "replaced": list(self.replaced)}
+                "replaced": list(self.replaced), **({"dropped": list(self.dropped)} if self.dropped else {})}
+
+    def without(self, lost: set[int]) -> InPlacePlan:
+        """The plan of an elastic run that goes on without the ranks in `lost` (lost with their
+        node; never the source or a kept rank, which offered): the ranks left keep their order."""
+        order = [r for r in range(self.size) if r not in lost]
+        new = {old: rank for rank, old in enumerate(order)}
+        return InPlacePlan(self.iteration, new[self.source], tuple(new[r] for r in self.kept),
+                           tuple(new[r] for r in self.replaced if r not in lost), tuple(sorted(lost)))
 
 
-def allowed(failure_config: FailureConfig, group: Any, elastic: bool, retried: bool) -> bool:
+def allowed(failure_config: FailureConfig, group: Any, retried: bool, enough: bool = True) -> bool:
     """Whether the failure of an attempt may be recovered in place: the run asks for it, its
     engine can start single ranks again (a lost node's ranks too: on Ray, in their bundles,
-    which Ray places on another node), the run is not elastic (a lost node shrinks it), and
-    the failure policy would retry it."""
-    return failure_config.recover_in_place and getattr(group, "can_rejoin", False) and not elastic and retried
+    which Ray places on another node), the failure policy would retry it, and (`enough`) an
+    elastic run keeps at least `min_workers` ranks on live nodes."""
+    return failure_config.recover_in_place and getattr(group, "can_rejoin", False) and retried and enough
+
+
+def lost_with_node(failures: list[tuple[int, BaseException]]) -> set[int]:
+    """The ranks among an attempt's `failures` that were lost with their node."""
+    return {rank for rank, error in failures if isinstance(error, WorkerDied) and error.node_lost}
 
 
 def free_hung(run: Run, group: Any, error: WorkerHangError, may_stay: bool, armed: set[int],

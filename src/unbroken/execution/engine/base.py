@@ -12,6 +12,7 @@ implementations; a test's fake group (`tests/fake_group.py`) is another.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -135,6 +136,20 @@ class WorkerGroup(Protocol):
         The group then serves the new attempt as after `start`."""
         ...
 
+    def drop(self, ranks: set[int]) -> None:
+        """Only where `can_rejoin`, before `rejoin`: the next attempt goes on without `ranks` (an
+        elastic run's ranks lost with their node, see `execution.in_place`). Each is killed if
+        it still runs and forgotten; the others are numbered again in order (`renumbered`), and
+        `num_workers` counts them. What the group reserved for the dropped ranks stays its own
+        (`idle_slots`) until `shutdown`."""
+        ...
+
+    def idle_slots(self) -> int:
+        """Worker slots the group holds that no rank uses and that a larger attempt could use
+        now: on Ray, bundles of dropped ranks that Ray placed again on a live node. An elastic
+        run counts them when it looks for room to grow."""
+        ...
+
     def release_placement(self) -> None:
         """On a group shut down with `keep_warm`: give back the resources reserved for its
         ranks, and keep only what it warmed up. The next group then places its ranks anew
@@ -142,6 +157,19 @@ class WorkerGroup(Protocol):
         and starts those that land where something was kept warm from it. Idempotent; may
         do nothing (an engine that reserves nothing)."""
         ...
+
+
+def renumbered(placements: list[Placement], order: list[int]) -> list[Placement]:
+    """The placements of the ranks in `order` (old ranks, in their new order), numbered again
+    from 0: node ranks in order of first appearance, local ranks counted within a node."""
+    nodes: dict[str, list[int]] = {}
+    for rank, old in enumerate(order):
+        nodes.setdefault(placements[old].node_id, []).append(rank)
+    node_rank = {node: i for i, node in enumerate(nodes)}
+    return [dataclasses.replace(placements[old], rank=rank, node_rank=node_rank[placements[old].node_id],
+                                local_rank=nodes[placements[old].node_id].index(rank),
+                                local_world_size=len(nodes[placements[old].node_id]))
+            for rank, old in enumerate(order)]
 
 
 WorkerGroupFactory = Callable[..., WorkerGroup]

@@ -23,7 +23,6 @@ import dataclasses
 import os
 import secrets
 import selectors
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -40,8 +39,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
-from unbroken.execution.engine.base import Event, Placement, Wakeup
-from unbroken.execution.engine.ray_actor import RankActor, await_verdict, connect, node_alive, versions
+from unbroken.execution.engine.base import Event, Placement, Wakeup, renumbered
+from unbroken.execution.engine.ray_actor import (
+    RankActor,
+    await_verdict,
+    connect,
+    kill_actors,
+    sigkill,
+    versions,
+    why_died,
+)
 from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
 from unbroken.worker import stacks
@@ -59,22 +66,6 @@ CHECK_S = 0.25
 WHY_WAIT_S = 2.0
 # How long a restart waits for the spares to finish warming up (each imports torch once).
 WARM_WAIT_S = 60.0
-
-
-def _why(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
-    """The engine-neutral cause for a rank whose actor call failed with `error`."""
-    where = f"node {meta['address']} ({meta['node_id'][:12]})"
-    text = str(error).strip().splitlines()
-    first = text[0] if text else type(error).__name__
-    if isinstance(error, ray.exceptions.ActorUnavailableError):
-        return WorkerDied(rank, node_lost=f"{where} unreachable: {first}", engine="ray")
-    if isinstance(error, ray.exceptions.ActorDiedError) and getattr(error, "preempted", False):
-        return WorkerDied(rank, node_lost=f"{where} preempted", engine="ray")
-    if isinstance(error, ray.exceptions.ActorDiedError) and not node_alive(meta["node_id"]):
-        # Where Ray declares the node dead first, its actors' calls fail as died, not unavailable.
-        return WorkerDied(rank, node_lost=f"{where} dead: {first}", engine="ray")
-    return WorkerDied(rank, cause=f"its actor on {where} died: {type(error).__name__}: {first}",
-                      engine="ray")
 
 
 class RayWorkerGroup:
@@ -112,6 +103,7 @@ class RayWorkerGroup:
         self._finished: set[int] = set()
         self._ended: set[int] = set()        # reported as died, or finished
         self._dying: dict[int, WorkerDied] = {}  # shows in the next poll
+        self._idle: set[int] = set()  # bundles of dropped ranks (`drop`)
         self._checked = 0.0
 
     # -- start -----------------------------------------------------------------------------
@@ -201,13 +193,13 @@ class RayWorkerGroup:
         placed = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
         actors = [pool[placed[i]].pop() if pool.get(placed[i]) else self._actor(i)
                   for i in range(self.num_workers)]
-        _kill([spare for left in pool.values() for spare in left])
+        kill_actors([spare for left in pool.values() for spare in left])
         return actors
 
     def warm_up(self) -> None:
         """One spare per bundle (again for those a `rejoin` took)."""
-        if (self.spares and None not in self.spares) or self.pg is None or self.scaling.use_gpu:
-            return
+        if (self.spares and None not in self.spares) or self.pg is None or self.scaling.use_gpu or self._idle:
+            return  # after a `drop`, a restart places a group of its own size
         # Outside the placement group, on the nodes of its bundles: a spare outlives the group
         # when it is released (another size, a lost node) and serves the next one on its node.
         self._spare_nodes = [self.metas[self._bundles.index(i)]["node_id"] for i in range(self.num_workers)]
@@ -278,14 +270,14 @@ class RayWorkerGroup:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(conn)
                 conn.close()
-            _kill([self.actors[rank]])
+            kill_actors([self.actors[rank]])
             bundle = self._bundles[rank]
             spare = self.spares[bundle] if self.spares else None
             if spare is not None:
                 self.spares[bundle] = None  # taken: the group is no longer warm for a restart
             moved = self._lost_with_node(rank)
             if moved:
-                _kill([spare])  # it was on the lost node too
+                kill_actors([spare])  # it was on the lost node too
                 spare = None
             self.actors[rank] = spare if spare is not None else self._actor(bundle)
             if moved:
@@ -295,6 +287,33 @@ class RayWorkerGroup:
                 self.send(rank, Rejoin(cloudpickle.dumps(payload(self.placements[rank]))))
         self._run(payload, [self.placements[rank] for rank in sorted(replaced)])
         return self.placements
+
+    def drop(self, ranks: set[int]) -> None:
+        for rank in ranks:
+            kill_actors([self.actors[rank]])
+            self._idle.add(self._bundles[rank])
+        for conn in self.conns:
+            if conn is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(conn)
+        for rank in ranks:
+            if self.conns[rank] is not None:
+                self.conns[rank].close()
+        order = [rank for rank in range(self.num_workers) if rank not in ranks]
+        for name in ("actors", "refs", "metas", "conns", "_bundles"):
+            setattr(self, name, [getattr(self, name)[rank] for rank in order])
+        self.placements, self.num_workers = renumbered(self.placements, order), len(order)
+        for rank, conn in enumerate(self.conns):
+            if conn is not None:
+                self._selector.register(conn, selectors.EVENT_READ, rank)
+
+    def idle_slots(self) -> int:
+        """The bundles of dropped ranks that Ray has placed again, on a live node."""
+        if not self._idle or self.pg is None:
+            return 0
+        placed = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        return sum(1 for bundle in self._idle if placed.get(bundle) in alive)
 
     def _lost_with_node(self, rank: int) -> bool:
         """Whether rank `rank` was lost with its node; if so, once Ray has declared the node
@@ -321,11 +340,11 @@ class RayWorkerGroup:
         """SIGKILL the rank's process by a task on its node (`ray.kill` first asks the actor to
         exit, which a stopped process never does), then end its actor."""
         meta = self.metas[rank]
-        task = ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        task = ray.remote(sigkill).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
             meta["node_id"], soft=False))
         with contextlib.suppress(Exception):  # its node is gone, with it
             ray.get(task.remote(meta["pid"]), timeout=10)
-        _kill([self.actors[rank]])
+        kill_actors([self.actors[rank]])
 
     def _greet(self) -> None:
         conn = self._listener.accept()
@@ -419,7 +438,7 @@ class RayWorkerGroup:
         try:
             ray.get(self.refs[rank], timeout=0)
         except ray.exceptions.RayActorError as error:
-            return _why(rank, error, self.metas[rank])
+            return why_died(rank, error, self.metas[rank])
         except Exception as error:  # noqa: BLE001 - the call itself failed: a death all the same
             return WorkerDied(rank, cause=f"{type(error).__name__}: {error}", engine="ray")
         return None  # it returned: its outcome (Done or Failed) was sent before
@@ -454,7 +473,7 @@ class RayWorkerGroup:
     def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         if self.refs and not kill:
             ray.wait(self.refs, num_returns=len(self.refs), timeout=5)
-        _kill(self.actors)
+        kill_actors(self.actors)
         self.actors, self.refs = [], []
         if not (keep_warm and self.spares):
             self._release()
@@ -468,19 +487,6 @@ class RayWorkerGroup:
 
     def _release(self) -> None:
         """Kill the actors and spares, and give the placement group's resources back."""
-        _kill(self.actors + self.spares)
+        kill_actors(self.actors + self.spares)
         self.actors, self.spares = [], []
         self.release_placement()
-
-
-def _sigkill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _kill(actors: list[Any]) -> None:
-    for actor in filter(None, actors):
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass

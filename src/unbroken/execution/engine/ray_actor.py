@@ -1,9 +1,11 @@
 """What the Ray engine runs in the cluster, and how the driver attaches to it: `connect`,
 the versions every node must share, and `RankActor`, one rank's process on a node (its
-`run` serves the rank's attempts over its connection to the driver, `engine.ray_link`)."""
+`run` serves the rank's attempts over its connection to the driver, `engine.ray_link`);
+how the driver ends such actors and reads why one died."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -14,8 +16,10 @@ from typing import Any
 
 import cloudpickle
 import ray
+import ray.exceptions
 
 import unbroken
+from unbroken.errors import WorkerDied
 from unbroken.execution.engine.ray_link import no_delay
 from unbroken.worker import stacks
 from unbroken.worker.channel import PipeChannel
@@ -121,3 +125,32 @@ class RankActor:
         finally:
             conn.close()
             stacks.forget(os.getpid())
+
+
+def why_died(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDied:
+    """The engine-neutral cause for a rank whose actor call failed with `error`."""
+    where = f"node {meta['address']} ({meta['node_id'][:12]})"
+    text = str(error).strip().splitlines()
+    first = text[0] if text else type(error).__name__
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+        return WorkerDied(rank, node_lost=f"{where} unreachable: {first}", engine="ray")
+    if isinstance(error, ray.exceptions.ActorDiedError) and getattr(error, "preempted", False):
+        return WorkerDied(rank, node_lost=f"{where} preempted", engine="ray")
+    if isinstance(error, ray.exceptions.ActorDiedError) and not node_alive(meta["node_id"]):
+        # Where Ray declares the node dead first, its actors' calls fail as died, not unavailable.
+        return WorkerDied(rank, node_lost=f"{where} dead: {first}", engine="ray")
+    return WorkerDied(rank, cause=f"its actor on {where} died: {type(error).__name__}: {first}",
+                      engine="ray")
+
+
+def sigkill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def kill_actors(actors: list[Any]) -> None:
+    for actor in filter(None, actors):
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
