@@ -156,3 +156,24 @@ def test_with_three_ranks_both_survivors_stay_and_the_run_ends_as_the_uninterrup
     for index, moments in want["optimizer"]["state"].items():
         for name, value in moments.items():
             assert torch.allclose(got["optimizer"]["state"][index][name], value, rtol=1e-5, atol=1e-9), name
+
+
+def test_an_elastic_shrink_numbers_the_ranks_left_again_in_order_node_by_node():
+    # Pure: the plan without the ranks lost with their node, and the placements of those left.
+    from unbroken.execution.engine.base import Placement, renumbered
+    from unbroken.execution.in_place import InPlacePlan
+
+    plan = InPlacePlan(iteration=6, source=1, kept=(1, 3), replaced=(0, 2))
+    shrunk = plan.without({2})
+    assert shrunk == InPlacePlan(6, source=1, kept=(1, 2), replaced=(0,), dropped=(2,))
+    assert shrunk.size == 3 and shrunk.record()["dropped"] == [2]
+    assert "dropped" not in plan.record()
+
+    def on(node: str, rank: int) -> Placement:
+        return Placement(rank=rank, node_rank=0, local_rank=0, local_world_size=0, node_id=node,
+                         node_address=node)
+
+    old = [on("a", 0), on("a", 1), on("b", 2), on("c", 3), on("c", 4)]
+    new = renumbered(old, [0, 2, 3, 4])  # rank 1 dropped
+    assert [(p.rank, p.node_id, p.node_rank, p.local_rank, p.local_world_size) for p in new] == [
+        (0, "a", 0, 0, 1), (1, "b", 1, 0, 1), (2, "c", 2, 0, 2), (3, "c", 2, 1, 2)]
