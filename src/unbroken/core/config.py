@@ -136,9 +136,10 @@ class FailureConfig:
     `recover_in_place`: when a rank fails in a run whose ranks hold a `TrainState(...,
     jit_checkpoint=True, step_seed=...)`, the surviving ranks keep their processes, only the
     failed ranks are started again, and the state of the last complete report goes from a
-    survivor to every rank over the new process group instead of through storage (local
-    engine; elsewhere, and whenever no survivor holds a clean state, the run restarts as
-    before). It still counts as a failure against `max_failures`.
+    survivor to every rank over the new process group instead of through storage (local and
+    Ray engines; whenever no survivor holds a clean state, the run restarts as before). An
+    elastic run goes on without the ranks lost with their node (a shrink in place). It
+    still counts as a failure against `max_failures`.
     """
 
     max_failures: int = 0
