@@ -355,6 +355,30 @@ def node_named(name: str) -> str | None:
     return next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and name in n["Resources"]), None)
 
 
+def remove_for_good(cluster, node_id: str) -> str:
+    """Remove node `node_id` without warning, and no node in its place; returns its name."""
+    name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == node_id)
+    cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == node_id),
+                        allow_graceful=False)
+    return name
+
+
+def add_back(cluster, name: str) -> None:
+    """A node named `name` joins, with that name's storage view."""
+    _add_node(cluster, name, {**cluster.node_env, **({OTHER_ROOT: cluster.other_root} if name == "node_b"
+                                                     else {})})
+
+
+def end_on_two_nodes(cluster, driver) -> None:
+    """After an elastic test: its driver ended, and the cluster back to node_a and node_b."""
+    if driver.poll() is None:
+        driver.kill()
+    extra = node_named("node_c")
+    if extra is not None:
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == extra),
+                            allow_graceful=False)
+
+
 def test_an_elastic_run_shrinks_at_once_on_a_lost_node_and_grows_back_when_one_returns(
         cluster, storage, tmp_path):
     """num_workers=(2, 3) on three 1-CPU nodes: a node is removed mid-run and no node replaces it,
@@ -383,13 +407,10 @@ print("ROWS", result.metrics_dataframe["training_iteration"].tolist())
     try:
         read_marker(lost_fifo, driver, "rank 2 to block at iteration 5")
         lost = placements_of(str(tmp_path), 1, 3)[2]["node_id"]
-        name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == lost)
-        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == lost),
-                            allow_graceful=False)
+        name = remove_for_good(cluster, lost)
         read_marker(running_fifo, driver, "attempt 2 to reach iteration 9")
         added_at = time.time()
-        _add_node(cluster, name, {**cluster.node_env, **({OTHER_ROOT: cluster.other_root} if name == "node_b"
-                                                         else {})})
+        add_back(cluster, name)
         _, err = driver.communicate(timeout=240)
         assert driver.returncode == -signal.SIGKILL, err
         restored = start_script(f"""
@@ -398,12 +419,7 @@ print("ROWS", TorchTrainer.restore({path!r}).fit().metrics_dataframe["training_i
 """, RAY_ADDRESS=cluster.address)
         out, err = restored.communicate(timeout=240)
     finally:
-        if driver.poll() is None:
-            driver.kill()
-        extra = node_named("node_c")
-        if extra is not None:
-            cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == extra),
-                                allow_graceful=False)
+        end_on_two_nodes(cluster, driver)
     assert restored.returncode == 0, err
     assert printed_rows(out) == list(range(1, 61)), "each iteration once"
     first, second, third = attempts_at(path)
@@ -597,21 +613,12 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "pid_dir": {st
                          failure_config=FailureConfig(max_failures=1, recover_in_place=True))).fit()
 """, RAY_ADDRESS=cluster.address)
     try:
-        lost = read_marker(fifo, driver, "rank 2 to block after report 6")
-        name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == lost)
-        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == lost),
-                            allow_graceful=False)
+        name = remove_for_good(cluster, read_marker(fifo, driver, "rank 2 to block after report 6"))
         read_until(driver, "STEP 7")  # the run goes on with 2 ranks
-        _add_node(cluster, name, {**cluster.node_env, **({OTHER_ROOT: cluster.other_root} if name == "node_b"
-                                                         else {})})
+        add_back(cluster, name)
         _, err = driver.communicate(timeout=240)
     finally:
-        if driver.poll() is None:
-            driver.kill()
-        extra = node_named("node_c")
-        if extra is not None:
-            cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == extra),
-                                allow_graceful=False)
+        end_on_two_nodes(cluster, driver)
     assert driver.returncode == 0, err
     result = Result.from_path(os.path.join(storage, "shrink-in-place"))
     first, second, third = attempts(result)
