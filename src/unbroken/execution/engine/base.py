@@ -137,8 +137,9 @@ class WorkerGroup(Protocol):
         ...
 
     def drop(self, ranks: set[int]) -> None:
-        """Only where `can_rejoin`, before `rejoin`: the next attempt goes on without `ranks` (an
-        elastic run's ranks lost with their node, see `execution.in_place`). Each is killed if
+        """Only on an engine whose ranks can be lost with their node (Ray; the local engine's
+        cannot), before `rejoin`: the next attempt goes on without `ranks` (an elastic run's
+        ranks lost with their node, see `execution.in_place`). Each is killed if
         it still runs and forgotten; the others are numbered again in order (`renumbered`), and
         `num_workers` counts them. What the group reserved for the dropped ranks stays its own
         (`idle_slots`) until `shutdown`."""

@@ -9,7 +9,6 @@ A dead worker is noticed at once: its process sentinel is in the same wait as th
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -26,7 +25,7 @@ import cloudpickle
 
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.errors import WorkerDied
-from unbroken.execution.engine.base import Event, Placement, Wakeup, renumbered
+from unbroken.execution.engine.base import Event, Placement, Wakeup
 from unbroken.worker import stacks
 from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import Done, Rejoin, from_wire, to_wire
@@ -192,20 +191,6 @@ class LocalWorkerGroup:
             if rank not in replaced:
                 self.send(rank, Rejoin(cloudpickle.dumps(payload(self.placements[rank]))))
         return self.placements
-
-    def drop(self, ranks: set[int]) -> None:
-        for rank in ranks:
-            self._drop(rank)
-        order = [rank for rank in range(self.num_workers) if rank not in ranks]
-        for rank in order:
-            for watched in (self.conns[rank], self.procs[rank].sentinel):
-                with contextlib.suppress(KeyError, ValueError):
-                    self._selector.unregister(watched)
-        self.procs, self.conns = [self.procs[r] for r in order], [self.conns[r] for r in order]
-        self.placements, self.num_workers = renumbered(self.placements, order), len(order)
-        for rank in range(self.num_workers):
-            self._selector.register(self.conns[rank], selectors.EVENT_READ, ("message", rank))
-            self._selector.register(self.procs[rank].sentinel, selectors.EVENT_READ, ("exit", rank))
 
     def idle_slots(self) -> int:
         return 0  # this machine's processes reserve nothing
