@@ -24,9 +24,9 @@ from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
 
-def fit(storage, name, max_failures=1, in_place=True, hang_timeout_s=None, **config):
+def fit(storage, name, max_failures=1, in_place=True, hang_timeout_s=None, num_workers=2, **config):
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
-                        scaling_config=ScalingConfig(num_workers=2),
+                        scaling_config=ScalingConfig(num_workers=num_workers),
                         run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(
                             max_failures=max_failures, recover_in_place=in_place,
                             hang_timeout_s=hang_timeout_s))).fit()
@@ -65,6 +65,18 @@ def test_a_killed_rank_is_replaced_while_the_survivor_keeps_its_process_and_stat
         cli.main(["show", result.path])
     assert (f"attempt 2: recovered in place from iteration {STEP}: rank 0 sent its state; ranks "
             "started again: 1") in shown.getvalue()
+
+
+def test_an_elastic_run_on_this_machine_replaces_a_killed_rank_in_place(storage, reference, tmp_path):
+    # The local engine can always place max_workers, so an elastic run keeps its size: the
+    # killed rank starts again while rank 0 stays, as in a fixed-size run, bit for bit.
+    result = fit(storage, "elastic", num_workers=(1, 2), die_after_report=[[STEP, 1, 1, "sigkill"]],
+                 pid_dir=str(tmp_path))
+    first, second = attempts(result)
+    assert second["in_place"] == {"iteration": STEP, "source": 0, "kept": [0], "replaced": [1]}, second
+    assert (second["num_workers"], second["elastic"]["reason"]) == (2, "rank lost"), second
+    assert pids(tmp_path, 2)[0] == pids(tmp_path, 1)[0], "rank 0 kept its process"
+    assert_same_run(result, reference, "an elastic run, rank 1 killed after report 6, recovered in place")
 
 
 def test_a_rank_that_raised_stays_too_and_nobody_is_replaced(storage, reference, tmp_path):
