@@ -210,8 +210,9 @@ def jit_loop(config: dict) -> None:
     with open(config["log"] + ".pids", "a") as f:
         f.write(f"{os.getpid()}\n")
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
-                              torch.nn.Linear(32, 1))
+    # Elastic: no dropout, whose per-rank streams would differ with the number of workers.
+    dropout = torch.nn.Identity() if config.get("on_request") else torch.nn.Dropout(0.1)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), dropout, torch.nn.Linear(32, 1))
     model = prepare_model(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11)
@@ -237,16 +238,22 @@ def jit_loop(config: dict) -> None:
         if not intact:
             raise RuntimeError("a torn checkpoint was handed to the training loop")
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(256, 16, generator=g)
+    x = torch.randn(config.get("samples", 256), 16, generator=g)
     y = torch.sin(x.sum(dim=1, keepdim=True))
+    everything = (x, y) if config.get("on_request") else None  # elastic: report the loss on all of it
     x, y = x[rank::world], y[rank::world]
     for it in range(state.iteration + 1, config["iterations"] + 1):
+        time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if everything is not None:
+            with torch.no_grad():
+                loss = torch.nn.functional.mse_loss(model(everything[0]), everything[1])
         state.iteration = it
-        state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0)
+        asked = config.get("on_request") and train.get_context().should_checkpoint()
+        state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0 or asked)
 
 
 def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:

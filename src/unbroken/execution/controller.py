@@ -300,13 +300,12 @@ class Controller:
         plan = in_place.settle(self.run, self._jit, group, rounds.num_workers,
                                self._may_stay(group), lambda: rounds.running, events)
         lost = in_place.lost_with_node(failures) if self._elastic is not None else set()
-        self._in_place = plan.without(lost) if plan is not None and lost else plan  # an elastic run shrinks
+        if plan is not None and lost and plan.size - len(lost) >= self._elastic.sizing.min_workers:
+            plan = plan.without(lost)  # an elastic run shrinks in place, else replaces them
+        self._in_place = plan
 
     def _may_stay(self, group: WorkerGroup) -> bool:
-        lost = in_place.lost_with_node(self._failures) if self._elastic is not None else set()
-        least = self._elastic.sizing.min_workers if self._elastic is not None else 0
-        return in_place.allowed(self.run_config.failure_config, group, self.policy.can_retry(),
-                                self.scaling.num_workers - len(lost) >= least)
+        return in_place.allowed(self.run_config.failure_config, group, self.policy.can_retry())
 
     def _drive(self, group: WorkerGroup) -> None:
         """Process worker messages until every worker is done; raise on any failure.

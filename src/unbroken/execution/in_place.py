@@ -8,7 +8,8 @@ start single ranks again (`WorkerGroup.can_rejoin`; on Ray a lost node's rank st
 in its bundle, which Ray places on another node), and the ranks' TrainState is armed for
 just-in-time checkpoints. An elastic run does not wait for a lost node's ranks to be placed
 again: it shrinks in place (`InPlacePlan.without`), going on with the ranks whose nodes are
-alive, numbered again in order, when they are at least `min_workers`. The offers are
+alive, numbered again in order, when they are at least `min_workers` (else they are started
+again in their bundles, as in a run of fixed size). The offers are
 those of the just-in-time protocol (`worker.jit`): the lowest rank that offers the
 attempt's last complete round is the source; every rank that offered and is alive stays;
 the others (dead, told they cannot help, or silent for `OFFER_WAIT_S`, e.g. blocked for
@@ -68,12 +69,11 @@ class InPlacePlan:
                            tuple(new[r] for r in self.replaced if r not in lost), tuple(sorted(lost)))
 
 
-def allowed(failure_config: FailureConfig, group: Any, retried: bool, enough: bool = True) -> bool:
+def allowed(failure_config: FailureConfig, group: Any, retried: bool) -> bool:
     """Whether the failure of an attempt may be recovered in place: the run asks for it, its
     engine can start single ranks again (a lost node's ranks too: on Ray, in their bundles,
-    which Ray places on another node), the failure policy would retry it, and (`enough`) an
-    elastic run keeps at least `min_workers` ranks on live nodes."""
-    return failure_config.recover_in_place and getattr(group, "can_rejoin", False) and retried and enough
+    which Ray places on another node), and the failure policy would retry it."""
+    return failure_config.recover_in_place and getattr(group, "can_rejoin", False) and retried
 
 
 def lost_with_node(failures: list[tuple[int, BaseException]]) -> set[int]:
