@@ -126,3 +126,45 @@ def test_a_frozen_node_is_lost_the_run_finishes_and_the_node_never_rejoins(clust
         iteration = int(name.rsplit("_", 1)[1])
         expected = {"attempt": 1 if iteration < 3 else 2, "iteration": iteration}
         assert rank1_file == expected, (name, rank1_file)
+
+
+def test_the_survivor_of_a_frozen_node_is_released_at_the_hang_bound_and_stays(cluster, tmp_path):
+    """recover_in_place with hang_timeout_s: rank 1 blocks after report 6, then its node freezes,
+    keeping its connections open, so rank 0 stays blocked in its all-reduce after Ray declared
+    the node dead. torch.distributed's collective timeout is the hang bound in such a run:
+    rank 0's all-reduce fails there, rank 0 offers round 6 and stays, and rank 1 starts again
+    on the spare node. Bit for bit with the uninterrupted run on the local engine."""
+    from test_exact_resume import assert_same_run
+    from test_ray_engine import jit_run
+    from unbroken.train import Result
+
+    storage, pid_dir, marker = str(tmp_path / "runs"), tmp_path / "pids", str(tmp_path / "hung")
+    pid_dir.mkdir()
+    fifo = marker_fifo(marker)
+    driver = start_script(f"""
+from test_ray_engine import jit_run
+jit_run("ray", {storage!r}, "frozen-in-place", in_place=True, hang_timeout_s=8, pid_dir={str(pid_dir)!r},
+        die_after_report=[[6, 1, 1, "hang"]], hang_marker={marker!r})
+""", RAY_ADDRESS=cluster.address)
+    frozen_node = read_marker(fifo, driver, "rank 1 to block after report 6")
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == frozen_node)
+    frozen = process_tree(node.all_processes["raylet"][0].process.pid)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        _, err = driver.communicate(timeout=240)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert driver.returncode == 0, err[-3000:]
+    result = Result.from_path(os.path.join(storage, "frozen-in-place"))
+    first, second = json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["attempts"]
+    assert "lost with its node" in first["error"], first["error"]
+    assert second["in_place"] == {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}, second
+    assert second["resumed_from"] is None and first.get("jit_checkpoint") is None
+    assert (pid_dir / "rank0-a1").read_text() == (pid_dir / "rank0-a2").read_text(), "rank 0 stayed"
+    assert_same_run(result, jit_run("local", storage, "frozen-local"),
+                    "Ray engine, rank 1's node frozen, recovered in place")

@@ -455,7 +455,10 @@ class Harness:
         while proc.is_alive():
             struck = open(fault_log).read().split() if os.path.exists(fault_log) else []
             if struck:
-                lost = self.cluster.lose_node(struck[1])
+                # --elastic: half the time for good, which an elastic run of 3 shrinks in place
+                for_good = ELASTIC[0] and self.cluster.nodes > 2 and self.rng.random() < 0.5
+                lost = (self.cluster.remove_node if for_good else self.cluster.lose_node)(struck[1])
+                self.counts["nodes lost for good right after a report"] += for_good and lost != "-"
                 self.counts["nodes lost right after a report"] += lost != "-"
                 return
             time.sleep(0.05)
@@ -643,6 +646,7 @@ class Harness:
         completed, read nothing from storage, and its loop got that round's state."""
         self.counts["in place: recoveries"] += 1
         self.counts["in place: ranks replaced"] += len(attempt["in_place"]["replaced"])
+        self.counts["in place: ranks dropped (shrunk)"] += len(attempt["in_place"].get("dropped", []))
         rows = [r for r in read_rows(Storage.from_url(path))
                 if previous is not None and r.get("attempt") == previous["number"]]
         last = max((r["training_iteration"] for r in rows), default=None)
@@ -864,10 +868,12 @@ class RayCluster:
         replacement; returns the lost node's id ("-": no node runs `pid`)."""
         return self._ask(f"lose {pid}" if pid else "lose")
 
-    def remove_node(self) -> str:
-        """Remove a node without warning, and no replacement."""
-        self.nodes -= 1
-        return self._ask("remove")
+    def remove_node(self, pid: str | None = None) -> str:
+        """Remove a node without warning (the one running process `pid` if given), and no
+        replacement; returns its id ("-": no node runs `pid`)."""
+        lost = self._ask(f"remove {pid}" if pid else "remove")
+        self.nodes -= lost != "-"
+        return lost
 
     def add_node(self) -> str:
         self.nodes += 1

@@ -139,7 +139,10 @@ class FailureConfig:
     survivor to every rank over the new process group instead of through storage (local and
     Ray engines; whenever no survivor holds a clean state, the run restarts as before). An
     elastic run goes on without the ranks lost with their node (a shrink in place). It
-    still counts as a failure against `max_failures`.
+    still counts as a failure against `max_failures`. With `hang_timeout_s` too, that is
+    torch.distributed's collective timeout as well (`collective_timeout_s`), so that ranks
+    blocked in a collective with a machine that vanished (its connections stay open) are
+    released at the hang bound, and stay.
     """
 
     max_failures: int = 0
@@ -156,6 +159,14 @@ class FailureConfig:
                 raise ValueError(f"FailureConfig.{name} must be an int >= -1 (-1: unlimited), got {value!r}")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:
             raise ValueError(f"FailureConfig.hang_timeout_s must be None or > 0, got {self.hang_timeout_s!r}")
+
+    @property
+    def collective_timeout_s(self) -> float | None:
+        """How long a rank may wait in one torch.distributed collective before it fails, when
+        the run says (else TorchConfig.timeout_s): the hang bound, in a run that recovers in
+        place. A rank waiting that long is hung by the run's own rule, and its error lets it
+        offer its state and stay."""
+        return self.hang_timeout_s if self.recover_in_place else None
 
 
 @dataclass

@@ -297,8 +297,9 @@ class Controller:
                 self._take(group, rounds, failures, rank, message)
                 yield rank, message
 
-        plan = in_place.settle(self.run, self._jit, group, rounds.num_workers,
-                               self._may_stay(group), lambda: rounds.running, events)
+        released = in_place.release_at(self.run_config.failure_config, failures, rounds.last_heard)
+        plan = in_place.settle(self.run, self._jit, group, rounds.num_workers, self._may_stay(group),
+                               lambda: rounds.running, events, released)
         lost = in_place.lost_with_node(failures) if self._elastic is not None else set()
         if plan is not None and lost and plan.size - len(lost) >= self._elastic.sizing.min_workers:
             plan = plan.without(lost)  # an elastic run shrinks in place, else replaces them

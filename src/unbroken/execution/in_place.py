@@ -76,6 +76,23 @@ def allowed(failure_config: FailureConfig, group: Any, retried: bool) -> bool:
     return failure_config.recover_in_place and getattr(group, "can_rejoin", False) and retried
 
 
+# How long past the collective timeout a survivor released by it may take to offer.
+RELEASE_SLACK_S = 2.0
+
+
+def release_at(failure_config: FailureConfig, failures: list[tuple[int, BaseException]],
+               last_heard: float) -> float | None:
+    """When a rank was lost with its node, the latest time (monotonic) its survivors are released
+    from a collective with it, where connections to a machine that vanished stay open: their
+    collective began before the attempt's last message (`last_heard`) and ends by
+    `FailureConfig.collective_timeout_s`. None when nothing was lost with its node or the run
+    sets no such timeout."""
+    timeout = failure_config.collective_timeout_s
+    if timeout is None or not lost_with_node(failures):
+        return None
+    return last_heard + timeout + RELEASE_SLACK_S
+
+
 def lost_with_node(failures: list[tuple[int, BaseException]]) -> set[int]:
     """The ranks among an attempt's `failures` that were lost with their node."""
     return {rank for rank, error in failures if isinstance(error, WorkerDied) and error.node_lost}
@@ -101,17 +118,17 @@ def free_hung(run: Run, group: Any, error: WorkerHangError, may_stay: bool, arme
 
 
 def settle(run: Run, coordinator: Coordinator, group: Any, num_workers: int, may_stay: bool,
-           running: Callable[[], set[int]], events: Callable[[float], Iterator[tuple[int, Any]]]
-           ) -> InPlacePlan | None:
+           running: Callable[[], set[int]], events: Callable[[float], Iterator[tuple[int, Any]]],
+           released_by: float | None = None) -> InPlacePlan | None:
     """The failure of `run`'s current attempt is final, and its ranks' TrainState is armed:
     when `may_stay` (the run, its engine and its failure policy allow a recovery in place),
     have the ranks that hold the last complete round stay (`plan`); otherwise, or when none
     does, have one of them save it just in time (`commit_just_in_time`, in the attempt
-    record). Returns the plan of the recovery in place, if there is one."""
+    record). `released_by`: see `plan`. Returns the plan of the recovery in place, if there is one."""
     if may_stay:
         row = run.history.last  # the last complete round, if this attempt completed one
         target = row["training_iteration"] if row and row.get("attempt") == run.attempt.number else None
-        staying = plan(coordinator, group, target, num_workers, running, events)
+        staying = plan(coordinator, group, target, num_workers, running, events, released_by)
         if staying is not None:
             return staying
     run.attempt.jit_checkpoint = commit_just_in_time(run, coordinator, group, running, events)
@@ -119,9 +136,10 @@ def settle(run: Run, coordinator: Coordinator, group: Any, num_workers: int, may
 
 
 def plan(coordinator: Coordinator, group: Any, target: int | None, num_workers: int,
-         running: Callable[[], set[int]], events: Callable[[float], Iterator[tuple[int, Any]]]
-         ) -> InPlacePlan | None:
-    """Wait (at most OFFER_WAIT_S) for the armed ranks still `running` to offer, then choose
+         running: Callable[[], set[int]], events: Callable[[float], Iterator[tuple[int, Any]]],
+         released_by: float | None = None) -> InPlacePlan | None:
+    """Wait (at most OFFER_WAIT_S, or until `released_by` (`release_at`) when that is later)
+    for the armed ranks still `running` to offer, then choose
     the source for round `target` and send `Stay` to every rank that stays. None, with
     nothing sent, when no live rank offers round `target`. `events(timeout)`: the group's
     next events, each already taken by the controller (offers reach `coordinator`).
@@ -130,8 +148,8 @@ def plan(coordinator: Coordinator, group: Any, target: int | None, num_workers: 
     may live on and keep the connections its peers are blocked on (a Ray actor outlives its
     attempt): when no rank has offered round `target` after the wait, such ranks are killed,
     which releases the blocked ones, and the wait begins again once."""
-    def offers_after_wait() -> tuple[list[int], list[int]]:
-        deadline = time.monotonic() + OFFER_WAIT_S
+    def offers_after_wait(until: float = 0.0) -> tuple[list[int], list[int]]:
+        deadline = max(time.monotonic() + OFFER_WAIT_S, until)
         while running() & coordinator.armed and time.monotonic() < deadline:
             for rank, message in events(min(0.1, max(0.0, deadline - time.monotonic()))):
                 if isinstance(message, WorkerDied):
@@ -140,7 +158,7 @@ def plan(coordinator: Coordinator, group: Any, target: int | None, num_workers: 
         live = sorted(r for r in coordinator.offers if r not in gone)
         return live, [r for r in live if coordinator.offers[r].iteration == target]
 
-    live, holders = offers_after_wait()
+    live, holders = offers_after_wait(released_by or 0.0)
     let_go = coordinator.answered - coordinator.dead
     if target is not None and not holders and running() & coordinator.armed and let_go:
         for rank in let_go:

@@ -36,6 +36,7 @@ def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool
         cpus=placement.cpus, use_gpu=scaling.use_gpu, node_id=placement.node_id,
         node_address=placement.node_address, probe=probe, env=faults.carried_env(), validates=validates,
         peer_source=peer[0] if peer is not None else None,
+        collective_timeout_s=trainer.run_config.failure_config.collective_timeout_s,
         **getattr(trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
     info.env.update(trainer.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
     return WorkerPayload(info=info, trainer=trainer)

@@ -87,6 +87,7 @@ class WorkerInfo:
     probe: str | None = None          # the token the driver wrote for `engine.worker` to check
     validates: bool = False           # the trainer has a ValidationConfig: validations get done
     peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
+    collective_timeout_s: float | None = None  # FailureConfig.collective_timeout_s
 
 
 class TrainContext:

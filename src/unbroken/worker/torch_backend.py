@@ -72,8 +72,9 @@ class TorchBackend(Backend):
             host, port = rendezvous(None)
             store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
         os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
-        dist.init_process_group(backend, store=store, rank=info.world_rank,
-                                world_size=info.world_size, timeout=timeout)
+        collectives = min(self.config.timeout_s, info.collective_timeout_s or self.config.timeout_s)
+        dist.init_process_group(backend, store=store, rank=info.world_rank, world_size=info.world_size,
+                                timeout=datetime.timedelta(seconds=collectives))
 
     def on_shutdown(self, session: Session) -> None:
         if dist.is_available() and dist.is_initialized():
