@@ -432,7 +432,7 @@ class Harness:
         """Every rank, or one, raises, exits or is SIGKILLed (--in-place: or stopped) right
         after sending report n; with --ray --in-place, one rank may instead block there and
         lose its node (`lose_struck_node`)."""
-        if self.cluster is not None and IN_PLACE[0] and self.rng.random() < 0.3:
+        if self.cluster is not None and IN_PLACE[0] and self.rng.random() < (0.6 if ELASTIC[0] else 0.3):
             # one rank blocks right after report n, and its node is lost then (lose_struck_node)
             rank = self.rng.choice(":0 :1".split())
             return "report-node-loss", f"after_report:{self.rng.randint(1, 6)}:block{rank}:once", None

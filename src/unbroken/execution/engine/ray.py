@@ -447,14 +447,19 @@ class RayWorkerGroup:
         self._finished.add(rank)
 
     def stacks(self, wait_s: float) -> dict[int, str | None]:
-        """Each rank's stacks, dumped by a task on its node (the signal reaches only there)."""
+        """Each rank's stacks, dumped by a task on its node (the signal reaches only there); None
+        for a rank whose node does not run the task in time (frozen, or gone)."""
         dump = ray.remote(stacks.dump)
         refs = [dump.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
                     meta["node_id"], soft=False)).remote(meta["pid"], wait_s) for meta in self.metas]
-        try:
-            return dict(enumerate(ray.get(refs, timeout=wait_s + 10)))
-        except Exception:  # noqa: BLE001 - a node that does not answer: no stacks rather than no restart
-            return {}
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s + 10)
+        texts: dict[int, str | None] = {}
+        for rank, ref in enumerate(refs):
+            try:
+                texts[rank] = ray.get(ref, timeout=0) if ref in ready else None
+            except Exception:  # noqa: BLE001 - its node failed the task: no stacks rather than no restart
+                texts[rank] = None
+        return texts
 
     def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
         live = [ref for rank, ref in enumerate(self.refs) if rank not in self._finished]
