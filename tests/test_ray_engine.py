@@ -5,6 +5,8 @@ whose threads make later local-engine tests start their workers from a forkserve
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import select
@@ -19,6 +21,7 @@ from conftest import read_until, s3_env, start_script, sweep_json  # noqa: E402
 from loops import final_weights  # noqa: E402
 from ray_loops import placed_loop  # noqa: E402
 from test_exact_resume import BASE, assert_same_run, exact_loop  # noqa: E402
+from unbroken.cli import commands as cli  # noqa: E402
 from unbroken.errors import InsufficientResourcesError, StorageNotSharedError  # noqa: E402
 from unbroken.execution.engine.factory import make_worker_group, resolve_engine  # noqa: E402
 from unbroken.train import (  # noqa: E402
@@ -631,6 +634,11 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "pid_dir": {st
     assert [(pid_dir / f"rank{r}-a1").read_text() for r in (0, 1)] == \
         [(pid_dir / f"rank{r}-a2").read_text() for r in (0, 1)], "ranks 0 and 1 kept their processes"
     assert (third["num_workers"], third["elastic"]["reason"]) == (3, "capacity returned"), third
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        cli.main(["show", result.path])
+    shown = shown.getvalue()
+    assert "went on without rank(s) 2 of attempt 1 (lost with their node)" in shown, shown
     rows = result.metrics_dataframe
     assert rows["training_iteration"].tolist() == list(range(1, len(rows) + 1)), "each iteration once"
     sizes = [len(losses) for losses in rows["losses"].dropna()]

@@ -49,8 +49,11 @@ def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> N
     peer = a.get("in_place")
     if peer:
         again = ", ".join(map(str, peer["replaced"])) or "none"
+        dropped = (f"; went on without rank(s) {', '.join(map(str, peer['dropped']))} of attempt "
+                   f"{a['number'] - 1} (lost with their node), the others numbered again"
+                   if peer.get("dropped") else "")
         print(f"  attempt {a['number']}: recovered in place from iteration {peer['iteration']}: rank "
-              f"{peer['source']} sent its state; ranks started again: {again}")
+              f"{peer['source']} sent its state; ranks started again: {again}{dropped}")
     elastic = a.get("elastic")
     if elastic:
         before = f", {elastic['previous']} before" if elastic.get("previous") else ""
