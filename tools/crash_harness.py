@@ -252,7 +252,7 @@ def jit_loop(config: dict) -> None:
             with torch.no_grad():
                 loss = torch.nn.functional.mse_loss(model(everything[0]), everything[1])
         state.iteration = it
-        asked = config.get("on_request") and train.get_context().should_checkpoint()
+        asked = bool(config.get("on_request")) and train.get_context().should_checkpoint()
         state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0 or asked)
 
 
