@@ -690,9 +690,11 @@ class Harness:
             struck = read_struck(os.path.join(self.workdir, "faults"))
             self.counts["in place: killed while the state was sent"] += "during_peer_share" in struck
             if one_rank and iteration < ITERATIONS and resumed.get("iteration") != iteration:
+                failed = (read_manifest(path) or {}).get("attempts", [])[attempts_before]
+                why = {k: failed.get(k) for k in ("error", "hang", "jit_checkpoint")}
                 self.violations.append(f"{where}: every rank reported iteration {iteration}, then {fault} "
                                        f"struck one rank, and the next attempt is {after} (expected in "
-                                       f"place from round {iteration})")
+                                       f"place from round {iteration}); the struck attempt: {why}")
             if (not one_rank and iteration % CKPT_EVERY == 0 and durable
                     and after[0]["resumed_from"] != commit.checkpoint_name(iteration)):
                 self.violations.append(f"{where}: every rank reported iteration {iteration} with a "
