@@ -13,8 +13,10 @@ again in their bundles, as in a run of fixed size). The offers are
 those of the just-in-time protocol (`worker.jit`): the lowest rank that offers the
 attempt's last complete round is the source; every rank that offered and is alive stays;
 the others (dead, told they cannot help, or silent for `OFFER_WAIT_S`, e.g. blocked for
-good) are started again. When no rank offers that round, nothing is sent, and the failure
-goes on to a just-in-time checkpoint and a restart, as before.
+good) are started again; after a rank lost with its node, the wait lasts until the
+survivors' collective timeout has released them (`release_at`). When no rank offers that
+round, nothing is sent, and the failure goes on to a just-in-time checkpoint and a
+restart, as before.
 
 A hang (`hang_timeout_s`) is recovered in place when the hung ranks can be told apart
 (`free_hung`): a rank that cannot even write its stacks (a stopped or frozen process) is
