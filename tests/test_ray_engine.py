@@ -382,6 +382,9 @@ def end_on_two_nodes(cluster, driver) -> None:
                             allow_graceful=False)
 
 
+# 31 s; the default run shrinks and grows on Ray in place (below), the restart path's sizing
+# with a fake group (test_elastic), and the harness's --elastic soak kills drivers mid-resize.
+@pytest.mark.slow
 def test_an_elastic_run_shrinks_at_once_on_a_lost_node_and_grows_back_when_one_returns(
         cluster, storage, tmp_path):
     """num_workers=(2, 3) on three 1-CPU nodes: a node is removed mid-run and no node replaces it,
