@@ -599,12 +599,13 @@ jit_run("ray", {storage!r}, "in-place-lost-node", in_place=True, pid_dir={str(pi
 def test_an_elastic_run_shrinks_in_place_on_a_lost_node_then_grows_when_one_returns(
         cluster, storage, tmp_path):
     """num_workers=(2, 3), recover_in_place: rank 2 blocks after report 6 and its node is removed
-    with no node in its place. Ranks 0 and 1 keep their actors' processes and go on as a run of 2
-    from round 6, with the state rank 0 holds, without waiting for capacity and without reading
-    storage. A node is then added; Ray places the lost rank's bundle there, and the run grows back
+    with no node in its place. Ranks 0 and 1 go on as a run of 2 from round 6, with the state a
+    survivor holds, in the processes they had, without waiting for capacity and without
+    reading storage. A node is then added; Ray places the lost rank's bundle there, and the run grows back
     to 3 at a checkpoint. Each iteration once, and each sample once per epoch across both sizes."""
     _add_node(cluster, "node_c", cluster.node_env)
     cluster.wait_for_nodes()
+    epochs = 4  # steps enough after the shrink for a node to join and the run to grow
     marker, pid_dir = str(tmp_path / "hung"), tmp_path / "pids"
     fifo = marker_fifo(marker)
     pid_dir.mkdir()
@@ -612,8 +613,9 @@ def test_an_elastic_run_shrinks_in_place_on_a_lost_node_then_grows_when_one_retu
 from test_exact_resume import BASE, exact_loop
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
-TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "pid_dir": {str(pid_dir)!r}, "step_s": 0.4,
-        "echo": True, "die_after_report": [[6, 1, 2, "hang"]], "hang_marker": {marker!r}}},
+TorchTrainer(exact_loop, train_loop_config={{**BASE, "epochs": {epochs}, "jit": True, "step_s": 0.4,
+        "pid_dir": {str(pid_dir)!r}, "echo": True, "die_after_report": [[6, 1, 2, "hang"]],
+        "hang_marker": {marker!r}}},
     scaling_config=ScalingConfig(num_workers=(2, 3), engine="ray", elastic_resize_monitor_interval_s=1),
     run_config=RunConfig(name="shrink-in-place", storage_path={storage!r}, verbose=0,
                          failure_config=FailureConfig(max_failures=1, recover_in_place=True))).fit()
@@ -629,13 +631,17 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "pid_dir": {st
     result = Result.from_path(os.path.join(storage, "shrink-in-place"))
     first, second, third = attempts(result)
     assert "rank 2 (of the ray engine) was lost with its node" in first["error"], first["error"]
-    assert second["in_place"] == {"iteration": 6, "source": 0, "kept": [0, 1], "replaced": [], "dropped": [2]}
+    # Ranks 0 and 1 stay, or, where gloo's ring left one blocked on the other (which stays
+    # and keeps its connections), that one is started again after 2 s (exact-resume.md).
+    peer = second["in_place"]
+    assert (peer["iteration"], peer["dropped"], sorted(peer["kept"] + peer["replaced"])) == (6, [2], [0, 1])
+    assert peer["source"] in peer["kept"] and len(peer["replaced"]) <= 1, peer
     assert (second["num_workers"], second["elastic"]["reason"], second["status"]) == \
         (2, "node lost", "RESIZED")
     assert second["resumed_from"] is None and first.get("jit_checkpoint") is None, \
         "nothing went through storage"
-    assert [(pid_dir / f"rank{r}-a1").read_text() for r in (0, 1)] == \
-        [(pid_dir / f"rank{r}-a2").read_text() for r in (0, 1)], "ranks 0 and 1 kept their processes"
+    assert all((pid_dir / f"rank{r}-a1").read_text() == (pid_dir / f"rank{r}-a2").read_text()
+               for r in peer["kept"]), "the ranks that stayed kept their processes"
     assert (third["num_workers"], third["elastic"]["reason"]) == (3, "capacity returned"), third
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown):
@@ -644,8 +650,11 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "pid_dir": {st
     assert "went on without rank(s) 2 of attempt 1 (lost with their node)" in shown, shown
     rows = result.metrics_dataframe
     assert rows["training_iteration"].tolist() == list(range(1, len(rows) + 1)), "each iteration once"
-    sizes = [len(losses) for losses in rows["losses"].dropna()]
-    assert sizes[:6] == [3] * 6 and 2 in sizes[6:] and sizes[-1] == 3, sizes
+    workers = {a["number"]: a["num_workers"] for a in (first, second, third)}
+    made = [(attempt, len(losses)) for attempt, losses in zip(rows["attempt"], rows["losses"], strict=True)
+            if isinstance(losses, list)]
+    assert [n for _, n in made[:6]] == [3] * 6 and {a for a, _ in made} == {1, 2, 3}, made
+    assert all(n == workers[a] for a, n in made), "each row made by its attempt's workers"
     seen: dict[int, list[int]] = {}
     before_growth: dict[int, list[int]] = {}
     columns = rows["training_iteration"], rows["epoch"], rows["indices"]
@@ -657,7 +666,7 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "pid_dir": {st
                 before_growth.setdefault(int(epoch), []).extend(taken)
     # Each sample once per epoch; a segment that 3 ranks share unevenly is padded with repeats
     # (as torch's DistributedSampler pads): the rest of an epoch after the growth may be one.
-    for epoch in range(BASE["epochs"]):
+    for epoch in range(epochs):
         assert set(seen[epoch]) == set(range(BASE["samples"])), (epoch, seen[epoch])
         assert len(seen[epoch]) - BASE["samples"] < 3, (epoch, seen[epoch])
         before = before_growth.get(epoch, [])
