@@ -676,7 +676,7 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "epochs": {epochs}, "jit": 
 # -- sweeps --------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # 18 s; sweeps restore locally in test_tune, elastic trainers in test_elastic
+# 18 s: the default run's sweep on Ray (a lost node's trial, 21-36 s, is a soak)
 def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, tmp_path):
     from unbroken import tune
 
@@ -695,6 +695,7 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_restores(cluster, storage, t
     assert tune.Tuner.restore(os.path.join(storage, "sweep"), base).fit().num_terminated == 3
 
 
+@pytest.mark.slow  # 21-36 s; the default run places a sweep's trials on Ray above
 def test_a_lost_node_costs_only_the_trial_placed_on_it_its_progress_since_its_checkpoint(
         cluster, storage, tmp_path, capsys):
     """Two trials, each pinned whole (its driver actor and its worker) to one node. node_b is

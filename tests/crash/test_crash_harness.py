@@ -83,10 +83,10 @@ def test_random_kills_with_recovery_in_place():
     # A rank struck right after a report is started again while the other keeps its process
     # and sends the round's state (the harness checks the next attempt recovered in place from
     # it); the sender or the receiver is sometimes killed in the middle of the transfer.
-    report = run_harness(6, "--in-place", "--strike")
-    # A launch goes on after a failure, so a launch rarely fails and restores (6 trials may
+    report = run_harness(5, "--in-place", "--strike")
+    # A launch goes on after a failure, so a launch rarely fails and restores (5 trials may
     # have none), and kills seldom land inside a commit: the other modes cover both.
-    check(report, 6, commit_kills=0, restores=0)
+    check(report, 5, commit_kills=0, restores=0)
     assert report.get("in place: recoveries", 0) >= 1, report
 
 
