@@ -56,6 +56,24 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
+def frozen_until_done(cluster, node_id: str, driver) -> tuple[str, str, list[int]]:
+    """Stop every process of node `node_id` until `driver` ends, then let them go on; returns
+    the driver's output and error, and the processes that were stopped."""
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    frozen = process_tree(node.all_processes["raylet"][0].process.pid)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        out, err = driver.communicate(timeout=240)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    return out, err, frozen
+
+
 DRIVER = """
 import sys
 from test_ray_engine import trainer
@@ -93,19 +111,8 @@ def test_a_frozen_node_is_lost_the_run_finishes_and_the_node_never_rejoins(clust
                           RAY_ADDRESS=cluster.address, **env)
     rank1 = int(read_marker(fifo, driver, "rank 1 to stop itself"))
     frozen_node = placements_of(str(tmp_path), 1, 2)[1]["node_id"]
-    node = next(n for n in cluster.list_all_nodes() if n.node_id == frozen_node)
-    frozen = process_tree(node.all_processes["raylet"][0].process.pid)
+    out, err, frozen = frozen_until_done(cluster, frozen_node, driver)
     assert rank1 in frozen, "rank 1 runs on that node"
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        out, err = driver.communicate(timeout=240)
-    finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
     assert driver.returncode == 0, err[-3000:]
     assert json.loads(out.split("ROWS", 1)[1].splitlines()[0]) == list(range(1, 9))
     attempts = json.loads(run_script(
@@ -138,6 +145,8 @@ def test_the_survivor_of_a_frozen_node_is_released_at_the_hang_bound_and_stays(c
     from test_ray_engine import jit_run
     from unbroken.train import Result
 
+    # A spare for rank 1: a test before may have frozen a node for good (add_node waits for it).
+    cluster.add_node(**NODE)
     storage, pid_dir, marker = str(tmp_path / "runs"), tmp_path / "pids", str(tmp_path / "hung")
     pid_dir.mkdir()
     fifo = marker_fifo(marker)
@@ -146,19 +155,8 @@ from test_ray_engine import jit_run
 jit_run("ray", {storage!r}, "frozen-in-place", in_place=True, hang_timeout_s=8, pid_dir={str(pid_dir)!r},
         die_after_report=[[6, 1, 1, "hang"]], hang_marker={marker!r})
 """, RAY_ADDRESS=cluster.address)
-    frozen_node = read_marker(fifo, driver, "rank 1 to block after report 6")
-    node = next(n for n in cluster.list_all_nodes() if n.node_id == frozen_node)
-    frozen = process_tree(node.all_processes["raylet"][0].process.pid)
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        _, err = driver.communicate(timeout=240)
-    finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    blocked_on = read_marker(fifo, driver, "rank 1 to block after report 6")  # rank 1's node
+    _, err, _ = frozen_until_done(cluster, blocked_on, driver)
     assert driver.returncode == 0, err[-3000:]
     result = Result.from_path(os.path.join(storage, "frozen-in-place"))
     first, second = json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["attempts"]
