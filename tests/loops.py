@@ -263,39 +263,51 @@ def exact_loop(config: dict) -> None:
         with open(os.path.join(config["pid_dir"], f"rank{rank}-a{ctx.get_attempt()}"), "w") as f:
             f.write(str(os.getpid()))
     kills = [tuple(k) for k in config.get("kill_at", [])]
-    for epoch in range(state.epoch, config["epochs"]):
-        for x, y, idx in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            state.step += 1
-            state.best = loss.item() if state.best is None else min(state.best, loss.item())
-            for step, attempt, kill_rank, mode in kills:
-                if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
-                    _die(mode, step)
-            if config.get("preempt_at") == [state.step, ctx.get_attempt()] and rank == 0:
-                os.kill(config["driver_pid"], signal.SIGTERM)
-            mine = [loss.item(), idx.tolist()]
-            every = [mine]
-            if world > 1:
-                every = [None] * world
-                torch.distributed.all_gather_object(every, mine)
-            state.report({"loss": loss.item(), "losses": [e[0] for e in every], "epoch": epoch,
-                          "step": state.step, "indices": [e[1] for e in every]},
-                         checkpoint=state.step % config.get("ckpt_every", 4) == 0)
-            for step, attempt, kill_rank, mode in config.get("die_after_report", []):
-                if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
-                    if mode == "hang" and config.get("hang_marker"):  # where it hangs, on Ray
-                        import ray
 
-                        with open(config["hang_marker"], "w") as f:
-                            f.write(ray.get_runtime_context().get_node_id())
-                    threading.Event().wait() if mode == "hang" else _die(mode, step)
-            if config.get("echo") and rank == 0:
-                print(f"STEP {state.step}", flush=True)
-            time.sleep(config.get("step_s", 0))  # a slower step: the run is still going when a node returns
+    def step(batch) -> None:
+        x, y, idx = batch
+        ctx = train.get_context()
+        if config.get("pid_dir"):  # which process and which model object ran each step
+            with open(os.path.join(config["pid_dir"], f"rank{rank}-steps"), "a") as f:
+                f.write(f"{ctx.get_attempt()} {state.step + 1} {os.getpid()} {id(model)} {id(opt)}\n")
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        state.step += 1
+        state.best = loss.item() if state.best is None else min(state.best, loss.item())
+        for at, attempt, kill_rank, mode in kills:
+            if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+                _die(mode, at)
+        if config.get("preempt_at") == [state.step, ctx.get_attempt()] and rank == 0:
+            os.kill(config["driver_pid"], signal.SIGTERM)
+        mine = [loss.item(), idx.tolist()]
+        every = [mine]
+        if world > 1:
+            every = [None] * world
+            torch.distributed.all_gather_object(every, mine)
+        state.report({"loss": loss.item(), "losses": [e[0] for e in every], "epoch": epoch,
+                      "step": state.step, "indices": [e[1] for e in every]},
+                     checkpoint=state.step % config.get("ckpt_every", 4) == 0)
+        for at, attempt, kill_rank, mode in config.get("die_after_report", []):
+            if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+                if mode == "hang" and config.get("hang_marker"):  # where it hangs, on Ray
+                    import ray
+
+                    with open(config["hang_marker"], "w") as f:
+                        f.write(ray.get_runtime_context().get_node_id())
+                threading.Event().wait() if mode == "hang" else _die(mode, at)
+        if config.get("echo") and rank == 0:
+            print(f"STEP {state.step}", flush=True)
+        time.sleep(config.get("step_s", 0))  # a slower step: the run is still going when a node returns
+
+    for epoch in range(state.epoch, config["epochs"]):
+        if config.get("in_loop"):  # survivors of a failure keep this loop (TrainState.for_each_batch)
+            state.for_each_batch(loader, step)
+        else:
+            for batch in loader:
+                step(batch)
         state.epoch = epoch + 1
     state.report({"final": True, "step": state.step}, checkpoint=True)
 

@@ -87,6 +87,34 @@ def test_a_rank_that_raised_stays_too_and_nobody_is_replaced(storage, reference,
     assert_same_run(result, reference, "rank 1 raised after report 6, recovered in place")
 
 
+def steps_run(directory, rank) -> list[tuple[int, int, int, int, int]]:
+    """(attempt, step, pid, id(model), id(optimizer)) of each step rank `rank` began."""
+    return [tuple(map(int, line.split())) for line in open(os.path.join(directory, f"rank{rank}-steps"))]
+
+
+@pytest.mark.parametrize("mode", ["sigkill", "raise"])
+def test_a_loop_that_stays_keeps_everything_its_training_function_built(storage, reference, tmp_path,
+                                                                         mode):
+    # TrainState.for_each_batch: rank 1 dies (or raises) right after report 5, mid-epoch; rank
+    # 0's step 6 fails in its all-reduce, and rank 0 goes on in the same loop, with the same
+    # model and optimizer objects: the code before its loop does not run again.
+    at = 5
+    result = fit(storage, f"in-loop-{mode}", in_loop=True, die_after_report=[[at, 1, 1, mode]],
+                 pid_dir=str(tmp_path))
+    first, second = attempts(result)
+    assert (first["status"], second["status"]) == ("ERRORED", "FINISHED")
+    kept, replaced = ([0], [1]) if mode == "sigkill" else ([0, 1], [])
+    assert second["in_place"] == {"iteration": at, "source": 0, "kept": kept, "replaced": replaced}, second
+    assert not os.path.exists(tmp_path / "rank0-a2"), "rank 0 did not run its training function again"
+    rows = steps_run(tmp_path, 0)
+    assert {row[0] for row in rows} == {1, 2}
+    assert len({row[2:] for row in rows}) == 1, "the same process, model and optimizer in both attempts"
+    assert [row[1] for row in rows if row[0] == 2][0] == at + 1, "step 6 is redone from the state of report 5"
+    if mode == "raise":
+        assert not os.path.exists(tmp_path / "rank1-a2") and len({row[2:] for row in steps_run(tmp_path, 1)}) == 1
+    assert_same_run(result, reference, f"rank 1 {mode} after report 5, rank 0 kept its loop")
+
+
 def test_a_frozen_rank_is_killed_alone_at_the_hang_timeout_and_the_survivor_stays(storage, reference,
                                                                                  tmp_path):
     # Rank 1 stops (SIGSTOP, as a frozen process) right after report 6, and rank 0 blocks in

@@ -186,3 +186,18 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 class _SafeEmptyLoadPlanner(_SafeLoadPlanner, _EmptyStateDictLoadPlanner):
     """DCP's planner that rebuilds the whole state from the index, loading as `_SafeLoadPlanner`."""
+
+
+def save_into(directory: str, shards: str, state: dict[str, Any], shards_in: str | None = None,
+             group: Any = None) -> list[str]:
+    """Write a sharded state through torch.distributed.checkpoint (collective over `group`)
+    into `directory/shards`, or into `shards_in/shards` with links to them in `directory`
+    (see `TrainState._write`); returns the file names relative to `directory`."""
+    local = os.path.join(directory, shards)
+    target = os.path.join(shards_in, shards) if shards_in is not None else local
+    names = save(target, state, group)
+    if target != local:
+        os.makedirs(local)
+        for name in names:
+            os.symlink(os.path.join(target, name), os.path.join(local, name))
+    return [f"{shards}/{name}" for name in names]

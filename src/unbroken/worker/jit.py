@@ -92,6 +92,21 @@ def _copy(value: Any) -> Any:
     return value
 
 
+def check_step_seed(step_seed: Any, jit_checkpoint: Any) -> int | None:
+    """`step_seed` checked, with the `jit_checkpoint` option that needs it."""
+    if not isinstance(jit_checkpoint, bool):
+        raise TypeError(f"TrainState(jit_checkpoint=...) takes a bool, got {type(jit_checkpoint).__name__}")
+    if step_seed is not None and (isinstance(step_seed, bool) or not isinstance(step_seed, int)):
+        raise TypeError(f"TrainState(step_seed=...) takes an int, got {type(step_seed).__name__}")
+    if jit_checkpoint and step_seed is None:
+        raise ValueError("TrainState(jit_checkpoint=True) needs step_seed=<int>: a rank that dies takes its "
+                         "random state with it, so a just-in-time checkpoint is exact only when every "
+                         "rank's random draws after a report follow from (step_seed, rank, report). "
+                         "Hint: TrainState(..., jit_checkpoint=True, step_seed=1234)")
+    return step_seed
+
+
+
 # -- worker side -----------------------------------------------------------------------------------
 class _Buffers:
     """A module's buffers that its state_dict holds, copied at each report with one fused copy."""

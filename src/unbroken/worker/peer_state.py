@@ -45,13 +45,18 @@ if TYPE_CHECKING:
     from unbroken.worker.session import Session
 
 
-def release_group(session: Session, backend: Backend) -> None:
-    """Step 1: end this rank's process group and drop the references to it (a DDP wrapper
-    held by the armed TrainState)."""
-    tracker = session.jit
-    if tracker is not None:
-        objects = tracker.state._objects
-        if "model" in objects:
+def release_group(session: Session, backend: Backend, keep_wrappers: bool = False) -> None:
+    """Step 1: end this rank's process group and drop the references to it: the armed
+    TrainState's DDP wrapper, or, for a loop that goes on (`keep_wrappers`, see
+    `worker.in_loop`), what the wrapper holds of the group."""
+    if keep_wrappers:
+        for wrapper in session.wrappers:
+            for name in ("reducer", "logger", "process_group"):
+                wrapper.__dict__.pop(name, None)
+    else:
+        session.wrappers.clear()
+        if session.jit is not None and "model" in session.jit.state._objects:
+            objects = session.jit.state._objects
             objects["model"] = unwrap(objects["model"])
     try:
         backend.on_shutdown(session)

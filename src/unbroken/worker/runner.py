@@ -2,7 +2,8 @@
 how it ended.
 
 `serve(payload, channel)` is all an engine runs in a rank: one attempt (`run_worker`), and
-the next ones when the run recovers in place; it never ignores signals,
+the next ones when the run recovers in place (`rejoin_in_loop` for a loop that goes on
+without leaving the training function); it never ignores signals,
 ties its life to a parent or exits the process (a long-lived worker of another engine must
 outlive it). Those process-level concerns belong to the engine's own wrapper, e.g.
 `engine.local.worker_process`.
@@ -14,7 +15,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -23,8 +24,11 @@ from unbroken.worker import jit as jit_checkpoint
 from unbroken.worker import peer_state
 from unbroken.worker import session as session_mod
 from unbroken.worker.channel import Channel
-from unbroken.worker.protocol import Done, Failed, Outcome, Rejoin, Rendezvous
+from unbroken.worker.protocol import Done, Failed, Outcome, Rejoin, Rendezvous, Stay
 from unbroken.worker.session import Session, StopTraining, WorkerInfo
+
+if TYPE_CHECKING:
+    from unbroken.worker.backend import Backend
 
 
 @dataclass
@@ -70,34 +74,137 @@ def serve(payload: WorkerPayload, channel: Channel) -> Outcome:
     attempt it sends as a `Rejoin`. Returns the last attempt's outcome."""
     outcome, staying = run_worker(payload, channel)
     while staying is not None:
-        try:
-            message = channel.recv()
-            while not isinstance(message, Rejoin):  # what was on its way to the failed attempt
-                message = channel.recv()
-        except (OSError, EOFError):
-            break  # the driver is gone, or gave up and closed this rank's channel
-        outcome, staying = run_worker(cloudpickle.loads(message.payload), channel, staying.kept)
+        if staying.payload is None:
+            try:
+                staying.payload = _next_attempt(channel)
+            except (OSError, EOFError):
+                break  # the driver is gone, or gave up and closed this rank's channel
+        outcome, staying = run_worker(staying.payload, channel, staying.kept)
     return outcome
 
 
 @dataclass
 class Staying:
     """This rank stays for the next attempt; `kept`: the state it sends to every rank then
-    (its source rank only)."""
+    (its source rank only); `payload`: the attempt, once it has come."""
 
     kept: dict[str, Any] | None
+    payload: WorkerPayload | None = None
+
+
+class RejoinAnew(BaseException):
+    """Raised out of a training loop that stayed (`rejoin_in_loop`) when the next attempt is
+    not one it can go on in: the training function then runs again from its start, in this
+    process, as for any rank that stays. A BaseException so that a user's `except Exception`
+    does not swallow it."""
+
+    def __init__(self, staying: Staying) -> None:
+        super().__init__("the next attempt runs the training function again")
+        self.staying = staying
 
 
 def run_worker(payload: WorkerPayload, channel: Channel,
                kept: dict[str, Any] | None = None) -> tuple[Outcome, Staying | None]:
-    """Run one rank's part of an attempt; sends the outcome (Done or Failed) to the driver as
-    the last message, and returns it, with whether the driver asked this rank to stay for
-    the next attempt. `kept`: recovering in place, the state this rank sends to every rank."""
-    info, trainer = payload.info, payload.trainer
+    """Run one rank's part of an attempt (and of the next ones its loop goes on into, see
+    `rejoin_in_loop`); sends the outcome (Done or Failed) to the driver as the last message,
+    and returns it, with whether the driver asked this rank to stay for the next attempt.
+    `kept`: recovering in place, the state this rank sends to every rank."""
+    backend = payload.trainer._backend()
+    _open(payload.info, channel, backend, getattr(payload.trainer, "datasets", None))
+    outcome: Outcome
+    staying: Staying | None = None
+    try:
+        try:
+            _start(session_mod.current("run_worker"), kept)
+            kept = None
+            try:
+                payload.trainer.training_loop()
+            except StopTraining:
+                pass
+            outcome = Done(session_mod.current("run_worker").finish())
+        except RejoinAnew as anew:  # the loop stayed; the next attempt runs the function again
+            return session_mod.current("run_worker").outcome_sent, anew.staying
+        except BaseException as e:  # noqa: BLE001 - everything is reported to the driver
+            session = session_mod.current("run_worker")
+            if session.outcome_sent is not None:  # the loop told the driver already, and was let go
+                return session.outcome_sent, None
+            session.drain()
+            outcome = failed(e)
+        kept = None
+        session = session_mod.current("run_worker")
+        try:
+            stay = _tell(session, outcome)
+            if stay is not None:
+                staying = Staying(_kept(session, stay))
+        except (OSError, EOFError):
+            pass  # the driver is gone
+    finally:
+        session = session_mod._current
+        try:
+            if session is not None:
+                backend.on_shutdown(session)
+        except Exception:
+            pass
+        session_mod.install(None)
+    return outcome, staying
+
+
+def rejoin_in_loop(failure: BaseException) -> None:
+    """Called by a training loop that caught `failure` and holds the state of its last report
+    (`TrainState.for_each_batch`): tell the driver, as any failed rank does, and when it says
+    to stay, begin the next attempt in this process without leaving the loop: a new session
+    (installed), a new process group, and the state the source rank sends, in
+    `session.peer_state`. Raises `failure` when the driver lets this rank go, and `RejoinAnew`
+    when the next attempt gives this rank another number or world size (an elastic shrink:
+    the loop's loader shares out the epoch among the old number of ranks)."""
+    session = session_mod.current("rejoin_in_loop")
+    session.drain()
+    outcome = session.outcome_sent = failed(failure)
+    try:
+        stay = _tell(session, outcome, keep_wrappers=True)
+        if stay is None:
+            raise failure
+        kept = _kept(session, stay)
+        payload = _next_attempt(session.channel)
+    except (OSError, EOFError):
+        raise failure from None  # the driver is gone
+    info = payload.info
+    if (info.world_rank, info.world_size) != (session.info.world_rank, session.info.world_size):
+        raise RejoinAnew(Staying(kept, payload))
+    _open(info, session.channel, session.backend, session.datasets, carried=session)
+    _start(session_mod.current("rejoin_in_loop"), kept)
+
+
+def failed(error: BaseException) -> Failed:
+    """The outcome of a rank whose loop raised `error`."""
+    try:
+        blob = cloudpickle.dumps(error)
+    except Exception:
+        blob = None
+    return Failed("".join(traceback.format_exception(error)), blob)
+
+
+def _open(info: WorkerInfo, channel: Channel, backend: Backend, datasets: dict[str, Any] | None,
+          carried: Session | None = None) -> None:
+    """Set this process up for an attempt and install its session, carrying over what a loop
+    that stayed has built (its TrainState's tracker, its model's forward clock)."""
     _set_up(info)
-    session = Session(info, channel, getattr(trainer, "datasets", None))
+    session = Session(info, channel, datasets)
+    session.backend = backend
+    if carried is not None:
+        session.jit, session.forward_clock = carried.jit, carried.forward_clock
+        session.wrappers = carried.wrappers
+        session.context = carried.context
+        session.context.follow(session)
+        if session.jit is not None:
+            session.jit.rank = info.world_rank
     session_mod.install(session)
-    backend = trainer._backend()
+
+
+def _start(session: Session, kept: dict[str, Any] | None) -> None:
+    """The collective start of an attempt: the storage check, the process group, and the
+    state a peer sends when the attempt recovers in place."""
+    info, channel = session.info, session.channel
 
     def rendezvous(value: Any) -> Any:
         if info.world_rank == 0:
@@ -105,42 +212,31 @@ def run_worker(payload: WorkerPayload, channel: Channel,
             return value
         return session.receive(Rendezvous).value  # a `Validated` may come first (a validation ended)
 
-    outcome: Outcome
-    staying: Staying | None = None
-    try:
-        try:
-            if info.probe is not None:
-                check_storage_shared(info)
-            backend.on_start(session, rendezvous)
-            peer_state.share(session, kept)
-            kept = None
-            try:
-                trainer.training_loop()
-            except StopTraining:
-                pass
-            outcome = Done(session.finish())
-        except BaseException as e:  # noqa: BLE001 - everything is reported to the driver
-            session.drain()
-            try:
-                blob = cloudpickle.dumps(e)
-            except Exception:
-                blob = None
-            outcome = Failed(traceback.format_exc(), blob)
-        kept = None
-        try:
-            offered = isinstance(outcome, Failed) and jit_checkpoint.offer(session)
-            channel.send(outcome)
-            if isinstance(outcome, Failed):  # after it: this error, not a peer's, is the first
-                peer_state.release_group(session, backend)
-            stay = jit_checkpoint.save_if_asked(session) if offered else None
-            if stay is not None:
-                staying = Staying(peer_state.keep(session) if stay.source == info.world_rank else None)
-        except (OSError, EOFError):
-            pass  # the driver is gone
-    finally:
-        try:
-            backend.on_shutdown(session)
-        except Exception:
-            pass
-        session_mod.install(None)
-    return outcome, staying
+    if info.probe is not None:
+        check_storage_shared(info)
+    session.backend.on_start(session, rendezvous)
+    peer_state.share(session, kept)
+
+
+def _tell(session: Session, outcome: Outcome, keep_wrappers: bool = False) -> Stay | None:
+    """Send the attempt's outcome. After a failure: the offer of a just-in-time checkpoint
+    first, then the release of the process group, and the driver's word: `Stay`, or None."""
+    offered = isinstance(outcome, Failed) and jit_checkpoint.offer(session)
+    session.send(outcome)
+    if isinstance(outcome, Failed):  # after it: this error, not a peer's, is the first
+        peer_state.release_group(session, session.backend, keep_wrappers)
+    return jit_checkpoint.save_if_asked(session) if offered else None
+
+
+def _kept(session: Session, stay: Stay) -> dict[str, Any] | None:
+    """What this rank keeps to send every rank of the next attempt: the state of the last
+    report on the source rank, nothing on the others."""
+    return peer_state.keep(session) if stay.source == session.info.world_rank else None
+
+
+def _next_attempt(channel: Channel) -> WorkerPayload:
+    """The next attempt's payload, for a rank told to stay."""
+    message = channel.recv()
+    while not isinstance(message, Rejoin):  # what was on its way to the failed attempt
+        message = channel.recv()
+    return cloudpickle.loads(message.payload)

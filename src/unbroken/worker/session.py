@@ -37,10 +37,11 @@ from unbroken.store.commit import (
 from unbroken.store.history import check_json_metrics
 from unbroken.store.storage import Storage, split_run_url
 from unbroken.worker.async_save import BackgroundSave, stage_job
-from unbroken.worker.protocol import Committed, Gather, Gathered, Reply, Report, Validated
+from unbroken.worker.protocol import Committed, Failed, Gather, Gathered, Reply, Report, Validated
 from unbroken.worker.report_config import ReportedCheckpoint, ReportedCheckpointStatus
 
 if TYPE_CHECKING:
+    from unbroken.worker.backend import Backend
     from unbroken.worker.channel import Channel
     from unbroken.worker.jit import Tracker
 
@@ -94,7 +95,11 @@ class TrainContext:
     """What `train.get_context()` returns: this worker's rank, sizes, run and attempt."""
 
     def __init__(self, info: WorkerInfo, session: Session) -> None:
-        self._info = info
+        self.follow(session)
+
+    def follow(self, session: Session) -> None:
+        """Describe `session`'s attempt from now on (a loop that stays holds on to its context)."""
+        self._info = session.info
         self._session = session
 
     world_rank = property(lambda self: self._info.world_rank)
@@ -185,12 +190,16 @@ class Session:
         self._save_t0: float | None = None  # when the save of the coming report began
         self.auto_checkpoint = False  # TrainState.report(..., checkpoint="auto") sets it
         self.forward_clock: Any = None  # prepare_model's ForwardClock on the model it wrapped
+        self.wrappers: list[Any] = []  # the DDP wrappers prepare_model made in this process
         self._awaiting_reply = False
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self._verdict_at: int | None = None  # from the latest reply taken (Reply.verdict_at)
         self.context = TrainContext(info, self)
         self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
         self.peer_state: dict[str, Any] | None = None  # recovering in place: the state a peer sent
+        self.backend: Backend | None = None  # what set up this attempt's process group
+        self.outcome_sent: Failed | None = None  # a loop that stayed told the driver it failed
+        self.loop_met = False  # `in_loop.meet` was made in this attempt
         self.saver = BackgroundSave()  # this rank's asynchronous save in flight
         self._send_lock = threading.Lock()  # the saver's thread sends too
         self._saved_async = 0  # the iteration of this rank's latest asynchronous save

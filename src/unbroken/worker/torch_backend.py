@@ -101,8 +101,14 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
         kwargs = dict(parallel_strategy_kwargs or {})
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device.index])
-        model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
         session = session_mod.current("prepare_model()")
+        if session.info.peer_source is not None:
+            # Recovering in place: a peer sends the state, and ranks whose loop stayed wrap their
+            # model again without collectives (`in_loop.rewrap`), so this one makes none either.
+            kwargs["init_sync"] = False
+        model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+        model.unbroken_ddp_kwargs = kwargs
+        session.wrappers.append(model)
         if session.forward_clock is not None:
             session.forward_clock.detach()
         session.forward_clock = ForwardClock(model.module, device)

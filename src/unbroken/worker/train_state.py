@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -51,6 +51,7 @@ from unbroken.state.state_file import (
 )
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import staging_name
+from unbroken.worker import in_loop
 from unbroken.worker import jit as jit_mod
 from unbroken.worker import session as session_mod
 from unbroken.worker.torch_backend import worker_ranks
@@ -127,7 +128,7 @@ class TrainState:
             else:
                 self._check_plain(name, value)
                 self._values[name] = value
-        object.__setattr__(self, "_step_seed", _check_step_seed(step_seed, jit_checkpoint))
+        object.__setattr__(self, "_step_seed", jit_mod.check_step_seed(step_seed, jit_checkpoint))
         if jit_checkpoint:
             jit_mod.arm(self, step_seed)
 
@@ -230,7 +231,7 @@ class TrainState:
             from unbroken.state import sharded as sharded_mod
 
             shards = sharded_mod.shard_dir(_attempt())
-            written += _write_shards(directory, shards, self._sharded_state(sharded), shards_in)
+            written += sharded_mod.save_into(directory, shards, self._sharded_state(sharded), shards_in)
         return written + write_files(directory, worker_ranks()[0], *self._capture(sharded, shards))
 
     def _sharded_state(self, sharded: list[str]) -> dict[str, Any]:
@@ -262,6 +263,18 @@ class TrainState:
                                     {"directory": shards, "names": sharded} if sharded else None)
         rng = capture_rng(self._generators)
         return (snapshot(payload), rng) if copy else (payload, rng)
+
+    def for_each_batch(self, loader: Iterable[Any], step: Callable[[Any], Any]) -> None:
+        """Call `step(batch)` for each batch of `loader`'s current pass (one epoch, or what is
+        left of it after a resume). Use it for the loop, with `step` reporting at its end, to
+        recover in place without leaving it: when a rank fails, the others keep everything
+        the training function built (model, optimizer, loader and its worker processes) and
+        redo the step from the state of the last report, bit for bit
+        (`FailureConfig(recover_in_place=True)`, `jit_checkpoint=True`, `loader` this state's
+        own). The code before the loop runs again only in a replacement rank, so it must make
+        no collectives of its own (`prepare_model`'s are taken care of). Otherwise it is a
+        plain loop (docs/exact-resume.md, "Recovering in place")."""
+        in_loop.for_each_batch(self, loader, step)
 
     def report(self, metrics: dict[str, Any], checkpoint: bool | Literal["auto"] = False) -> bool:
         """`train.report(metrics)`, with this state saved as the checkpoint when `checkpoint`
@@ -311,7 +324,7 @@ class TrainState:
         def write() -> tuple[str, bool]:
             directory = tempfile.mkdtemp(prefix="unbroken-state-")
             if shard_state is not None:
-                _write_shards(directory, shards, shard_state, staging, group)
+                sharded_mod.save_into(directory, shards, shard_state, staging, group)
             write_files(directory, worker_ranks()[0], payload, rng)
             return directory, True
         return write
@@ -445,37 +458,6 @@ class TrainState:
             raise StateMismatchError(message + ". Hint: build the TrainState with the same names the "
                                      "run saved, or call restore(strict=False) to load what matches")
         logger.warning("%s; loading the rest (strict=False)", message)
-
-
-def _check_step_seed(step_seed: Any, jit_checkpoint: Any) -> int | None:
-    """`step_seed` checked, with the `jit_checkpoint` option that needs it."""
-    if not isinstance(jit_checkpoint, bool):
-        raise TypeError(f"TrainState(jit_checkpoint=...) takes a bool, got {type(jit_checkpoint).__name__}")
-    if step_seed is not None and (isinstance(step_seed, bool) or not isinstance(step_seed, int)):
-        raise TypeError(f"TrainState(step_seed=...) takes an int, got {type(step_seed).__name__}")
-    if jit_checkpoint and step_seed is None:
-        raise ValueError("TrainState(jit_checkpoint=True) needs step_seed=<int>: a rank that dies takes its "
-                         "random state with it, so a just-in-time checkpoint is exact only when every "
-                         "rank's random draws after a report follow from (step_seed, rank, report). "
-                         "Hint: TrainState(..., jit_checkpoint=True, step_seed=1234)")
-    return step_seed
-
-
-def _write_shards(directory: str, shards: str, state: dict[str, Any], shards_in: str | None = None,
-                  group: Any = None) -> list[str]:
-    """Write a sharded state through torch.distributed.checkpoint (collective over `group`)
-    into `directory/shards`, or into `shards_in/shards` with links to them in `directory`
-    (see `TrainState._write`); returns the file names relative to `directory`."""
-    from unbroken.state import sharded as sharded_mod
-
-    local = os.path.join(directory, shards)
-    target = os.path.join(shards_in, shards) if shards_in is not None else local
-    names = sharded_mod.save(target, state, group)
-    if target != local:
-        os.makedirs(local)
-        for name in names:
-            os.symlink(os.path.join(target, name), os.path.join(local, name))
-    return [f"{shards}/{name}" for name in names]
 
 
 def _next_staging() -> str | None:
