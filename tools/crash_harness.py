@@ -34,7 +34,8 @@ Invariants checked at every launch and at the end of each trial:
     gets that round's state (kills of the sending survivor or of the receiving replacement
     in the middle of the transfer are among the faults: the launch then restarts from the
     newest committed checkpoint; with --ray too, a rank that blocks right after a report and
-    then loses its node, which the next attempt must also recover in place from);
+    then loses its node, which the next attempt must also recover in place from); half the
+    trials loop with TrainState.for_each_batch, whose survivors stay inside their loop;
   - a full disk fails the launch with StorageFullError, and the next launch (with room
     again) resumes;
   - a second driver started while the first holds the run fails with LeaseHeldError naming
@@ -77,6 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -203,7 +205,7 @@ def jit_loop(config: dict) -> None:
     """crash_loop's job, with dropout, through TrainState(jit_checkpoint=True, step_seed=...):
     a failing rank's survivor saves the last round. Logs what each attempt loads, checked
     against its commit marker."""
-    from unbroken.train.torch import TrainState
+    from unbroken.train.torch import TrainState, prepare_data_loader
 
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -215,7 +217,12 @@ def jit_loop(config: dict) -> None:
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), dropout, torch.nn.Linear(32, 1))
     model = prepare_model(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11)
+    loader = None
+    if config.get("in_loop"):  # TrainState.for_each_batch: one pass of one batch per iteration
+        loader = prepare_data_loader(torch.utils.data.DataLoader(range(world * config["iterations"]),
+                                                                 batch_size=1, shuffle=False))
+    state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11,
+                       **({"loader": loader} if loader is not None else {}))
     checkpoint = train.get_checkpoint()
     from_peer = session_mod._current.peer_state is not None  # recovering in place
     state.restore()
@@ -242,7 +249,17 @@ def jit_loop(config: dict) -> None:
     y = torch.sin(x.sum(dim=1, keepdim=True))
     everything = (x, y) if config.get("on_request") else None  # elastic: report the loss on all of it
     x, y = x[rank::world], y[rank::world]
-    for it in range(state.iteration + 1, config["iterations"] + 1):
+    attempts = [ctx.get_attempt()]
+
+    def step(_batch: Any = None) -> None:
+        it = state.iteration + 1
+        ctx = train.get_context()
+        if ctx.get_attempt() != attempts[-1]:  # the loop stayed (for_each_batch) into a new attempt
+            attempts.append(ctx.get_attempt())
+            if rank == 0:
+                with open(config["log"], "a") as f:
+                    f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": "peer", "in_loop": True,
+                                        "iteration": state.iteration, "intact": True}) + "\n")
         time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
@@ -252,8 +269,14 @@ def jit_loop(config: dict) -> None:
             with torch.no_grad():
                 loss = torch.nn.functional.mse_loss(model(everything[0]), everything[1])
         state.iteration = it
-        asked = bool(config.get("on_request")) and train.get_context().should_checkpoint()
+        asked = bool(config.get("on_request")) and ctx.should_checkpoint()
         state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0 or asked)
+
+    if loader is not None:  # one batch per iteration, in one pass: survivors stay in this loop
+        state.for_each_batch(loader, step)
+    else:
+        for _ in range(state.iteration + 1, config["iterations"] + 1):
+            step()
 
 
 def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
@@ -265,6 +288,8 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
         scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1},
                                 elastic_resize_monitor_interval_s=1.0)
         config.update(samples=240, on_request=True, step_s=0.3)
+    elif IN_PLACE[0]:  # half the trials' loops stay where they are (TrainState.for_each_batch)
+        config.update(in_loop=zlib.crc32(name.encode()) % 2 == 0)
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
         validation_config=ValidationConfig(validate_checkpoint) if validate else None,
@@ -635,6 +660,7 @@ class Harness:
                                    f"{[a['status'] for a in new]}")
         for entry in read_log(log):
             if entry["loaded"] == "peer":  # checked against the attempt record (check_in_place)
+                self.counts["in place: loops that stayed"] += bool(entry.get("in_loop"))
                 continue
             first = entry["attempt"] == attempts_before + 1
             if entry["attempt"] > attempts_before and ((first and entry["loaded"] != before)
