@@ -312,6 +312,11 @@ def exact_loop(config: dict) -> None:
     state.report({"final": True, "step": state.step}, checkpoint=True)
 
 
+def steps_run(directory, rank) -> list[tuple[int, int, int, int, int]]:
+    """(attempt, step, pid, id(model), id(optimizer)) of each step rank `rank` began."""
+    return [tuple(map(int, line.split())) for line in open(os.path.join(directory, f"rank{rank}-steps"))]
+
+
 def report_then_die(config: dict) -> None:
     """Every rank reports iteration 1 with a checkpoint file of its own; then the ranks in
     `dying` die (`how`: raise|exit|sigkill) in attempt 1 while the others report once more.

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from loops import exact_loop
+from loops import exact_loop, steps_run
 from test_exact_resume import BASE, assert_identical, assert_same_run, final_files, steps
 from test_jit_checkpoint import PERIODIC, STEP
 from unbroken.cli import commands as cli
@@ -87,11 +87,6 @@ def test_a_rank_that_raised_stays_too_and_nobody_is_replaced(storage, reference,
     assert_same_run(result, reference, "rank 1 raised after report 6, recovered in place")
 
 
-def steps_run(directory, rank) -> list[tuple[int, int, int, int, int]]:
-    """(attempt, step, pid, id(model), id(optimizer)) of each step rank `rank` began."""
-    return [tuple(map(int, line.split())) for line in open(os.path.join(directory, f"rank{rank}-steps"))]
-
-
 @pytest.mark.parametrize("mode", ["sigkill", "raise"])
 def test_a_loop_that_stays_keeps_everything_its_training_function_built(storage, reference, tmp_path,
                                                                          mode):
@@ -111,7 +106,8 @@ def test_a_loop_that_stays_keeps_everything_its_training_function_built(storage,
     assert len({row[2:] for row in rows}) == 1, "the same process, model and optimizer in both attempts"
     assert [row[1] for row in rows if row[0] == 2][0] == at + 1, "step 6 is redone from the state of report 5"
     if mode == "raise":
-        assert not os.path.exists(tmp_path / "rank1-a2") and len({row[2:] for row in steps_run(tmp_path, 1)}) == 1
+        assert not os.path.exists(tmp_path / "rank1-a2"), "rank 1, which raised, stayed in its loop too"
+        assert len({row[2:] for row in steps_run(tmp_path, 1)}) == 1
     assert_same_run(result, reference, f"rank 1 {mode} after report 5, rank 0 kept its loop")
 
 
@@ -201,13 +197,19 @@ def test_with_three_ranks_both_survivors_stay_and_the_run_ends_as_the_uninterrup
 def test_an_elastic_shrink_numbers_the_ranks_left_again_in_order_node_by_node():
     # Pure: the plan without the ranks lost with their node, and the placements of those left.
     from unbroken.execution.engine.base import Placement, renumbered
-    from unbroken.execution.in_place import InPlacePlan
+    from unbroken.execution.in_place import InPlacePlan, shrunk
+    from unbroken.errors import WorkerDied
 
     plan = InPlacePlan(iteration=6, source=1, kept=(1, 3), replaced=(0, 2))
-    shrunk = plan.without({2})
-    assert shrunk == InPlacePlan(6, source=1, kept=(1, 2), replaced=(0,), dropped=(2,))
-    assert shrunk.size == 3 and shrunk.record()["dropped"] == [2]
+    without = plan.without({2})
+    assert without == InPlacePlan(6, source=1, kept=(1, 2), replaced=(0,), dropped=(2,))
+    assert without.size == 3 and without.record()["dropped"] == [2]
     assert "dropped" not in plan.record()
+    lost = [(2, WorkerDied(2, node_lost="node b")), (0, WorkerDied(0, signal_name="SIGKILL"))]
+    assert shrunk(plan, lost, min_workers=3) == without, "3 ranks left: the elastic run goes on without 2"
+    assert shrunk(plan, lost, min_workers=4) == plan, "fewer than min_workers left: rank 2 is replaced"
+    assert shrunk(plan, lost, min_workers=None) == plan, "a run of fixed size replaces lost ranks"
+    assert shrunk(None, lost, min_workers=3) is None
 
     def on(node: str, rank: int) -> Placement:
         return Placement(rank=rank, node_rank=0, local_rank=0, local_world_size=0, node_id=node,

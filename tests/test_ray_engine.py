@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from conftest import read_until, s3_env, start_script, sweep_json  # noqa: E402
-from loops import final_weights  # noqa: E402
+from loops import final_weights, steps_run  # noqa: E402
 from ray_loops import placed_loop  # noqa: E402
 from test_exact_resume import BASE, assert_same_run, exact_loop  # noqa: E402
 from unbroken.cli import commands as cli  # noqa: E402
@@ -516,7 +516,8 @@ def test_a_killed_rank_on_ray_resumes_from_the_survivors_checkpoint_bit_for_bit(
     assert_same_run(on_ray, local, "Ray engine, rank 1 killed after report 6, vs the local engine")
 
 
-@pytest.mark.parametrize("how", ["sigkill", pytest.param("sigstop", marks=pytest.mark.slow),
+@pytest.mark.parametrize("how", ["sigkill", "sigkill-in-loop",
+                                 pytest.param("sigstop", marks=pytest.mark.slow),
                                  pytest.param("raise-untracked", marks=pytest.mark.slow)])
 def test_a_killed_rank_on_ray_is_replaced_in_place_while_the_survivor_keeps_its_actor(
         cluster, storage, tmp_path, monkeypatch, how):
@@ -526,22 +527,32 @@ def test_a_killed_rank_on_ray_is_replaced_in_place_while_the_survivor_keeps_its_
     # ends as the uninterrupted one on the local engine. "raise-untracked": rank 1 raises right
     # after sending report 6, before its state took it in, so it cannot help; its actor outlives
     # its attempt and keeps rank 0 blocked, until the driver kills it and rank 0 offers round 6.
+    # "sigkill-in-loop": rank 1 is killed after report 5, mid-epoch, and rank 0's actor stays
+    # inside its loop (TrainState.for_each_batch), with the model it built.
+    in_loop = how == "sigkill-in-loop"
+    step = 5 if in_loop else 6
     local = jit_run("local", storage, f"in-place-local-{how}")
     monkeypatch.setattr("unbroken.execution.controller.WARM_UP_AFTER_S", 0.0)
-    dies = [[6, 1, 1, how]]
+    dies = [[step, 1, 1, how.removesuffix("-in-loop")]]
     if how == "raise-untracked":
         monkeypatch.setenv("UNBROKEN_FAULT", "after_report:6:raise:1:once")
         monkeypatch.setenv("UNBROKEN_FAULT_LOG", str(tmp_path / "faults"))
         dies = []
     on_ray = jit_run("ray", storage, f"in-place-ray-{how}", in_place=True, pid_dir=str(tmp_path),
-                     die_after_report=dies, hang_timeout_s=5 if how == "sigstop" else None)
+                     die_after_report=dies, hang_timeout_s=5 if how == "sigstop" else None, in_loop=in_loop)
     first, second = attempts(on_ray)
     if how == "sigstop":
         assert first["hang"]["killed"] == [1], first
-    assert second["in_place"] == {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}, second
+    assert second["in_place"] == {"iteration": step, "source": 0, "kept": [0], "replaced": [1]}, second
     assert second["resumed_from"] is None and first.get("jit_checkpoint") is None
-    pid = {(r, a): open(os.path.join(tmp_path, f"rank{r}-a{a}")).read() for r in (0, 1) for a in (1, 2)}
-    assert pid[(0, 1)] == pid[(0, 2)] and pid[(1, 1)] != pid[(1, 2)]
+    pid = {(r, a): open(os.path.join(tmp_path, f"rank{r}-a{a}")).read()
+           for r in (0, 1) for a in (1, 2) if os.path.exists(os.path.join(tmp_path, f"rank{r}-a{a}"))}
+    assert pid[(1, 1)] != pid[(1, 2)]
+    if in_loop:
+        assert (0, 2) not in pid, "rank 0 did not run its training function again"
+        assert len({row[2:] for row in steps_run(tmp_path, 0)}) == 1, "same actor, model and optimizer"
+    else:
+        assert pid[(0, 1)] == pid[(0, 2)]
     assert_same_run(on_ray, local, "Ray engine, rank 1 killed after report 6, recovered in place")
 
 

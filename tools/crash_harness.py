@@ -78,7 +78,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -279,6 +278,13 @@ def jit_loop(config: dict) -> None:
             step()
 
 
+def loops_stay(log: str) -> bool:
+    """--in-place: whether the trial that logs to `log` loops with TrainState.for_each_batch, whose
+    survivors stay inside their loop (half the trials, the elastic ones aside)."""
+    index = re.findall(r"[0-9]+", os.path.basename(log))  # trial-<index>.log
+    return IN_PLACE[0] and not ELASTIC[0] and bool(index) and int(index[0]) % 2 == 0
+
+
 def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
     validate = not JIT[0]  # every checkpoint of the crash loop is validated in the background
     config = {"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log, "async": ASYNC_SAVES[0],
@@ -288,8 +294,7 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
         scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1},
                                 elastic_resize_monitor_interval_s=1.0)
         config.update(samples=240, on_request=True, step_s=0.3)
-    elif IN_PLACE[0]:  # half the trials' loops stay where they are (TrainState.for_each_batch)
-        config.update(in_loop=zlib.crc32(name.encode()) % 2 == 0)
+    config.update(in_loop=loops_stay(log))
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
         validation_config=ValidationConfig(validate_checkpoint) if validate else None,
@@ -671,6 +676,7 @@ class Harness:
         """An attempt that recovered in place resumed from the last round the attempt before it
         completed, read nothing from storage, and its loop got that round's state."""
         self.counts["in place: recoveries"] += 1
+        self.counts["in place: recoveries of a for_each_batch loop"] += loops_stay(log)
         self.counts["in place: ranks replaced"] += len(attempt["in_place"]["replaced"])
         self.counts["in place: ranks dropped (shrunk)"] += len(attempt["in_place"].get("dropped", []))
         rows = [r for r in read_rows(Storage.from_url(path))

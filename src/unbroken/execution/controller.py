@@ -300,10 +300,8 @@ class Controller:
         released = in_place.release_at(self.run_config.failure_config, failures, rounds.last_heard)
         plan = in_place.settle(self.run, self._jit, group, rounds.num_workers, self._may_stay(group),
                                lambda: rounds.running, events, released)
-        lost = in_place.lost_with_node(failures) if self._elastic is not None else set()
-        if plan is not None and lost and plan.size - len(lost) >= self._elastic.sizing.min_workers:
-            plan = plan.without(lost)  # an elastic run shrinks in place, else replaces them
-        self._in_place = plan
+        min_workers = self._elastic.sizing.min_workers if self._elastic is not None else None
+        self._in_place = in_place.shrunk(plan, failures, min_workers)
 
     def _may_stay(self, group: WorkerGroup) -> bool:
         return in_place.allowed(self.run_config.failure_config, group, self.policy.can_retry())

@@ -100,6 +100,17 @@ def lost_with_node(failures: list[tuple[int, BaseException]]) -> set[int]:
     return {rank for rank, error in failures if isinstance(error, WorkerDied) and error.node_lost}
 
 
+def shrunk(plan: InPlacePlan | None, failures: list[tuple[int, BaseException]],
+           min_workers: int | None) -> InPlacePlan | None:
+    """The plan an elastic run (`min_workers` set) goes on with: without the ranks lost with
+    their node (`InPlacePlan.without`), when at least `min_workers` ranks are left; otherwise
+    the lost ranks start again in their bundles, as in a run of fixed size (`plan` as it is)."""
+    lost = lost_with_node(failures) if min_workers is not None else set()
+    if plan is None or not lost or plan.size - len(lost) < min_workers:
+        return plan
+    return plan.without(lost)
+
+
 def free_hung(run: Run, group: Any, error: WorkerHangError, may_stay: bool, armed: set[int],
               running: set[int], failures: list[tuple[int, BaseException]]) -> None:
     """Attempt `run.attempt` hung (`error`): where it may recover in place (`may_stay`, every
