@@ -11,7 +11,9 @@ from a forkserver with torch imported); they differ in how the state comes back:
 - restart: a survivor saves the state just in time, the driver commits it, every rank is
   started again and loads it from storage;
 - in place (`FailureConfig(recover_in_place=True)`): the survivor keeps its process, rank 1
-  starts again, and the survivor sends it the state over the new process group.
+  starts again, and the survivor sends it the state over the new process group;
+- in the loop: in place, with the loop in `TrainState.for_each_batch`: the survivor does not
+  even leave it (its model, optimizer and loader stay), and redoes the step.
 
 Measured: the time from the kill to the next row, the bytes the next attempt reads from
 storage (the checkpoint it loads, on every rank), and whether the survivor kept its process.
@@ -31,7 +33,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_recovery_job.py")
-MODES = ("restart", "in-place")
+MODES = ("restart", "in-place", "in-loop")
 KILL_AFTER, ITERATIONS = 8, 12
 
 
@@ -84,18 +86,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench] {size} MiB {mode}: {r}", file=sys.stderr, flush=True)
         print(f"[bench] repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     print(f"## Recovery from a killed rank — 2 ranks, {args.repeats} repeat(s), {os.cpu_count()} CPUs\n")
-    print("| State | Restart: kill → next row | In place: kill → next row | In place ÷ restart "
-          "| Read from storage: restart / in place | Survivor kept its process: in place |")
-    print("|---|---|---|---|---|---|")
+    print("| State | Restart: kill → next row | In place | In the loop | In place ÷ restart | In the loop "
+          "÷ restart | Read from storage: restart / in place / in the loop | Survivor kept its process |")
+    print("|---|---|---|---|---|---|---|---|")
     for size in sizes:
-        restart, in_place = results[(size, "restart")], results[(size, "in-place")]
-        ratio = statistics.median(r["recovery_s"] for r in in_place) / statistics.median(
-            r["recovery_s"] for r in restart)
-        read = (f"{statistics.median(r['read_mib'] for r in restart):.0f} MiB / "
-                f"{statistics.median(r['read_mib'] for r in in_place):.0f} MiB")
-        kept = f"{sum(r['kept'] for r in in_place)}/{len(in_place)}"
-        print(f"| {size} MiB | {fmt([r['recovery_s'] for r in restart])} s | "
-              f"{fmt([r['recovery_s'] for r in in_place])} s | {ratio:.2f} × | {read} | {kept} |")
+        by = {mode: results[(size, mode)] for mode in MODES}
+        median = {mode: statistics.median(r["recovery_s"] for r in rs) for mode, rs in by.items()}
+        read = " / ".join(f"{statistics.median(r['read_mib'] for r in by[mode]):.0f} MiB" for mode in MODES)
+        kept = f"{sum(r['kept'] for m in MODES[1:] for r in by[m])} of {sum(len(by[m]) for m in MODES[1:])}"
+        times = " | ".join(f"{fmt([r['recovery_s'] for r in by[mode]])} s" for mode in MODES)
+        ratios = " | ".join(f"{median[mode] / median['restart']:.2f} ×" for mode in MODES[1:])
+        print(f"| {size} MiB | {times} | {ratios} | {read} | {kept} |")
     redone = sum(r["redone"] for rs in results.values() for r in rs)
     print(f"\nIterations redone, all jobs: {redone}")
     return 0

@@ -225,6 +225,17 @@ def _die(mode: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGSTOP if mode == "sigstop" else signal.SIGKILL)
 
 
+def sgd_step(model, opt, sched, x, y) -> torch.Tensor:
+    """One step of the exact loops: the MSE loss, backward, the optimizer's and the scheduler's
+    step. Returns the loss."""
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss
+
+
 def exact_loop(config: dict) -> None:
     """A DDP job with dropout, augmentation in the dataset, AdamW and a per-step scheduler, whose
     whole state is a TrainState checkpointed every `ckpt_every` steps (mid-epoch too).
@@ -270,11 +281,7 @@ def exact_loop(config: dict) -> None:
         if config.get("pid_dir"):  # which process and which model object ran each step
             with open(os.path.join(config["pid_dir"], f"rank{rank}-steps"), "a") as f:
                 f.write(f"{ctx.get_attempt()} {state.step + 1} {os.getpid()} {id(model)} {id(opt)}\n")
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+        loss = sgd_step(model, opt, sched, x, y)
         state.step += 1
         state.best = loss.item() if state.best is None else min(state.best, loss.item())
         for at, attempt, kill_rank, mode in kills:

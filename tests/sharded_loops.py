@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loops import AugmentedDataset, _die, seed_everything
+from loops import AugmentedDataset, _die, seed_everything, sgd_step
 from unbroken import train
 
 
@@ -59,11 +59,7 @@ def fsdp_loop(config: dict) -> None:
     kills = [tuple(k) for k in config.get("kill_at", [])]
     for epoch in range(state.epoch, config["epochs"]):
         for x, y, idx in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+            loss = sgd_step(model, opt, sched, x, y)
             state.step += 1
             for step, attempt, kill_rank, mode in kills:
                 if (step, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):

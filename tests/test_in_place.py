@@ -196,9 +196,9 @@ def test_with_three_ranks_both_survivors_stay_and_the_run_ends_as_the_uninterrup
 
 def test_an_elastic_shrink_numbers_the_ranks_left_again_in_order_node_by_node():
     # Pure: the plan without the ranks lost with their node, and the placements of those left.
+    from unbroken.errors import WorkerDied
     from unbroken.execution.engine.base import Placement, renumbered
     from unbroken.execution.in_place import InPlacePlan, shrunk
-    from unbroken.errors import WorkerDied
 
     plan = InPlacePlan(iteration=6, source=1, kept=(1, 3), replaced=(0, 2))
     without = plan.without({2})
