@@ -248,7 +248,9 @@ def exact_loop(config: dict) -> None:
     die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|sigstop|hang) striking
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
     its process id to rank<r>-a<attempt> there. `deterministic`: deterministic algorithms only.
-    `step_s`: seconds each step takes longer.
+    `step_s`: seconds each step takes longer. `in_loop`: the loop is TrainState.for_each_batch,
+    and `pid_dir` also gets each step's process and objects (`steps_run`). `prologue_barrier`: a
+    barrier before the loop.
     """
     from unbroken.train.torch import TrainState, prepare_data_loader
 
@@ -309,6 +311,8 @@ def exact_loop(config: dict) -> None:
             print(f"STEP {state.step}", flush=True)
         time.sleep(config.get("step_s", 0))  # a slower step: the run is still going when a node returns
 
+    if config.get("prologue_barrier") and world > 1:  # a collective of its own before the loop
+        torch.distributed.barrier()
     for epoch in range(state.epoch, config["epochs"]):
         if config.get("in_loop"):  # survivors of a failure keep this loop (TrainState.for_each_batch)
             state.for_each_batch(loader, step)

@@ -111,6 +111,20 @@ def test_a_loop_that_stays_keeps_everything_its_training_function_built(storage,
     assert_same_run(result, reference, f"rank 1 {mode} after report 5, rank 0 kept its loop")
 
 
+def test_a_collective_before_the_loop_that_only_the_replacement_makes_falls_back_to_storage(storage,
+                                                                                          reference):
+    # Rank 0 stays inside its loop; rank 1's replacement runs the training function from its
+    # start, where a barrier waits for ranks that never come to it. It fails at the collective
+    # timeout (hang_timeout_s), and the run restarts from the latest committed checkpoint
+    # instead of pairing that barrier with rank 0's next all-reduce.
+    result = fit(storage, "prologue", max_failures=2, hang_timeout_s=3, in_loop=True, prologue_barrier=True,
+                 die_after_report=[[5, 1, 1, "sigkill"]])
+    first, second, third = attempts(result)
+    assert second["in_place"]["iteration"] == 5 and second["status"] == "ERRORED", second
+    assert third["resumed_from"] == f"checkpoint_{PERIODIC:06d}" and third["status"] == "FINISHED", third
+    assert_same_run(result, reference, "a barrier before the loop, rank 0 stayed in its loop")
+
+
 def test_a_frozen_rank_is_killed_alone_at_the_hang_timeout_and_the_survivor_stays(storage, reference,
                                                                                  tmp_path):
     # Rank 1 stops (SIGSTOP, as a frozen process) right after report 6, and rank 0 blocks in
