@@ -64,7 +64,7 @@ def for_each_batch(state: TrainState, loader: Iterable[Any], step: Callable[[Any
                 step(batch)
             return
         except Exception as e:  # noqa: BLE001 - the driver decides whether this rank stays
-            if not _holds_last_report(state, session, first):
+            if not _holds_last_report(session, first):
                 raise
             failure = e
         finally:
@@ -96,7 +96,7 @@ def _tracks(state: TrainState, loader: Any, session: Session) -> bool:
             and any(obj is loader for obj in state._objects.values()))
 
 
-def _holds_last_report(state: TrainState, session: Session, first: int) -> bool:
+def _holds_last_report(session: Session, first: int) -> bool:
     """Whether this rank still holds the state of its last report, made inside this call."""
     tracker = session.jit
     return (tracker is not None and tracker.iteration is not None and tracker.iteration > first
