@@ -266,7 +266,8 @@ def exact_loop(config: dict) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
     data = torch.utils.data.DataLoader(AugmentedDataset(config.get("samples", 48)),
                                        batch_size=config.get("batch_size", 4), shuffle=True,
-                                       num_workers=config.get("num_workers", 0))
+                                       num_workers=config.get("num_workers", 0),
+                                       persistent_workers=config.get("persistent_workers", False))
     loader = prepare_data_loader(data, seed_per_sample=config.get("seed_per_sample"))
     state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
                        best=None, async_save=config.get("async_save", False),
@@ -280,9 +281,12 @@ def exact_loop(config: dict) -> None:
     def step(batch) -> None:
         x, y, idx = batch
         ctx = train.get_context()
-        if config.get("pid_dir"):  # which process and which model object ran each step
+        if config.get("pid_dir"):  # which processes and objects ran each step
+            fetching = loader._loader._iterator  # a persistent DataLoader's, with its worker processes
+            workers = [w.pid for w in fetching._workers] if fetching is not None else []
             with open(os.path.join(config["pid_dir"], f"rank{rank}-steps"), "a") as f:
-                f.write(f"{ctx.get_attempt()} {state.step + 1} {os.getpid()} {id(model)} {id(opt)}\n")
+                f.write(f"{ctx.get_attempt()} {state.step + 1} {os.getpid()} {id(model)} {id(opt)} "
+                        f"{' '.join(map(str, workers))}\n")
         loss = sgd_step(model, opt, sched, x, y)
         state.step += 1
         state.best = loss.item() if state.best is None else min(state.best, loss.item())
@@ -323,8 +327,9 @@ def exact_loop(config: dict) -> None:
     state.report({"final": True, "step": state.step}, checkpoint=True)
 
 
-def steps_run(directory, rank) -> list[tuple[int, int, int, int, int]]:
-    """(attempt, step, pid, id(model), id(optimizer)) of each step rank `rank` began."""
+def steps_run(directory, rank) -> list[tuple[int, ...]]:
+    """(attempt, step, pid, id(model), id(optimizer), *DataLoader worker pids) of each step
+    rank `rank` began."""
     return [tuple(map(int, line.split())) for line in open(os.path.join(directory, f"rank{rank}-steps"))]
 
 

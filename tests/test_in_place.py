@@ -24,9 +24,9 @@ from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 
 
-def fit(storage, name, max_failures=1, in_place=True, hang_timeout_s=None, num_workers=2, **config):
+def fit(storage, name, max_failures=1, in_place=True, hang_timeout_s=None, ranks=2, **config):
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
-                        scaling_config=ScalingConfig(num_workers=num_workers),
+                        scaling_config=ScalingConfig(num_workers=ranks),
                         run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(
                             max_failures=max_failures, recover_in_place=in_place,
                             hang_timeout_s=hang_timeout_s))).fit()
@@ -70,7 +70,7 @@ def test_a_killed_rank_is_replaced_while_the_survivor_keeps_its_process_and_stat
 def test_an_elastic_run_on_this_machine_replaces_a_killed_rank_in_place(storage, reference, tmp_path):
     # The local engine can always place max_workers, so an elastic run keeps its size: the
     # killed rank starts again while rank 0 stays, as in a fixed-size run, bit for bit.
-    result = fit(storage, "elastic", num_workers=(1, 2), die_after_report=[[STEP, 1, 1, "sigkill"]],
+    result = fit(storage, "elastic", ranks=(1, 2), die_after_report=[[STEP, 1, 1, "sigkill"]],
                  pid_dir=str(tmp_path))
     first, second = attempts(result)
     assert second["in_place"] == {"iteration": STEP, "source": 0, "kept": [0], "replaced": [1]}, second
@@ -87,15 +87,20 @@ def test_a_rank_that_raised_stays_too_and_nobody_is_replaced(storage, reference,
     assert_same_run(result, reference, "rank 1 raised after report 6, recovered in place")
 
 
-@pytest.mark.parametrize("mode", ["sigkill", "raise"])
+@pytest.mark.parametrize("mode", ["sigkill", "raise", "sigkill-loader-workers"])
 def test_a_loop_that_stays_keeps_everything_its_training_function_built(storage, reference, tmp_path,
                                                                          mode):
     # TrainState.for_each_batch: rank 1 dies (or raises) right after report 5, mid-epoch; rank
     # 0's step 6 fails in its all-reduce, and rank 0 goes on in the same loop, with the same
-    # model and optimizer objects: the code before its loop does not run again.
+    # model and optimizer objects (and DataLoader worker processes, when persistent): the code
+    # before its loop does not run again.
     at = 5
+    workers = {"num_workers": 1, "persistent_workers": True} if mode.endswith("workers") else {}
+    if workers:  # fetched in a worker, each sample is seeded on its own: another reference
+        reference = fit(storage, "in-loop-reference", max_failures=0, in_place=False, **workers)
+    mode = mode.removesuffix("-loader-workers")
     result = fit(storage, f"in-loop-{mode}", in_loop=True, die_after_report=[[at, 1, 1, mode]],
-                 pid_dir=str(tmp_path))
+                 pid_dir=str(tmp_path), **workers)
     first, second = attempts(result)
     assert (first["status"], second["status"]) == ("ERRORED", "FINISHED")
     kept, replaced = ([0], [1]) if mode == "sigkill" else ([0, 1], [])
@@ -103,7 +108,8 @@ def test_a_loop_that_stays_keeps_everything_its_training_function_built(storage,
     assert not os.path.exists(tmp_path / "rank0-a2"), "rank 0 did not run its training function again"
     rows = steps_run(tmp_path, 0)
     assert {row[0] for row in rows} == {1, 2}
-    assert len({row[2:] for row in rows}) == 1, "the same process, model and optimizer in both attempts"
+    assert len({row[2:] for row in rows}) == 1, "the same process, model, optimizer (and loader workers)"
+    assert all(len(row) == 5 + bool(workers) for row in rows), rows
     assert [row[1] for row in rows if row[0] == 2][0] == at + 1, "step 6 is redone from the state of report 5"
     if mode == "raise":
         assert not os.path.exists(tmp_path / "rank1-a2"), "rank 1, which raised, stayed in its loop too"
