@@ -612,7 +612,8 @@ def test_an_elastic_run_shrinks_in_place_on_a_lost_node_then_grows_when_one_retu
     """num_workers=(2, 3), recover_in_place: rank 2 blocks after report 6 and its node is removed
     with no node in its place. Ranks 0 and 1 go on as a run of 2 from round 6, with the state a
     survivor holds, in the processes they had, without waiting for capacity and without
-    reading storage. A node is then added; Ray places the lost rank's bundle there, and the run grows back
+    reading storage. Their loop is `for_each_batch`, which cannot go on with another world
+    size: the ranks offer from inside it, and run the training function again (`RejoinAnew`). A node is then added; Ray places the lost rank's bundle there, and the run grows back
     to 3 at a checkpoint. Each iteration once, and each sample once per epoch across both sizes."""
     _add_node(cluster, "node_c", cluster.node_env)
     cluster.wait_for_nodes()
@@ -625,7 +626,7 @@ from test_exact_resume import BASE, exact_loop
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
 TorchTrainer(exact_loop, train_loop_config={{**BASE, "epochs": {epochs}, "jit": True, "step_s": 0.4,
-        "pid_dir": {str(pid_dir)!r}, "echo": True, "die_after_report": [[6, 1, 2, "hang"]],
+        "in_loop": True, "pid_dir": {str(pid_dir)!r}, "echo": True, "die_after_report": [[6, 1, 2, "hang"]],
         "hang_marker": {marker!r}}},
     scaling_config=ScalingConfig(num_workers=(2, 3), engine="ray", elastic_resize_monitor_interval_s=1),
     run_config=RunConfig(name="shrink-in-place", storage_path={storage!r}, verbose=0,
