@@ -94,7 +94,7 @@ class WorkerInfo:
 class TrainContext:
     """What `train.get_context()` returns: this worker's rank, sizes, run and attempt."""
 
-    def __init__(self, info: WorkerInfo, session: Session) -> None:
+    def __init__(self, session: Session) -> None:
         self.follow(session)
 
     def follow(self, session: Session) -> None:
@@ -194,7 +194,7 @@ class Session:
         self._awaiting_reply = False
         self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self._verdict_at: int | None = None  # from the latest reply taken (Reply.verdict_at)
-        self.context = TrainContext(info, self)
+        self.context = TrainContext(self)
         self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
         self.peer_state: dict[str, Any] | None = None  # recovering in place: the state a peer sent
         self.backend: Backend | None = None  # what set up this attempt's process group

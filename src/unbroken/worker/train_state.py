@@ -268,7 +268,7 @@ class TrainState:
         """Call `step(batch)` for each batch of `loader`'s current pass (one epoch, or what is
         left of it after a resume). Use it for the loop, with `step` reporting at its end, to
         recover in place without leaving it: when a rank fails, the others keep everything
-        the training function built (model, optimizer, loader and its worker processes) and
+        the training function built (model, optimizer, loader, persistent loader workers) and
         redo the step from the state of the last report, bit for bit
         (`FailureConfig(recover_in_place=True)`, `jit_checkpoint=True`, `loader` this state's
         own). The code before the loop runs again only in a replacement rank, so it must make
