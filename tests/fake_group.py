@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +99,7 @@ class FakeRank:
             elif kind == "raise":
                 self.ended = True
                 out.append(Failed(f"Traceback (most recent call last):\nRuntimeError: {args[0]}\n",
-                                  cloudpickle.dumps(RuntimeError(args[0]))))
+                                  cloudpickle.dumps(RuntimeError(args[0])), time.time()))
             elif kind == "die":
                 self.ended, self.dying, self.lost = True, args[0] or "SIGKILL", args[0] is None
             elif kind == "hang":

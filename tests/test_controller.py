@@ -125,6 +125,25 @@ def test_a_killed_peer_is_the_root_cause_of_its_neighbours_error(storage):
     assert [r["training_iteration"] for r in h.rows()] == [1]
 
 
+def test_failures_that_reach_the_driver_together_keep_the_order_they_happened():
+    # Pure: rank 1 ran out of disk and then ended its process group; rank 0's collective broke
+    # after that, but in one poll the driver reads rank 0's message first (rank order).
+    from unbroken.execution.worker_failures import record, root_cause
+
+    class NoLoss:
+        def lost_ranks(self, wait_s):
+            return []
+
+    failures: list = []
+    record(failures, 0, RuntimeError("Connection closed by peer"), at=2.0)
+    record(failures, 1, OSError("No space left on device"), at=1.0)
+    assert [rank for rank, _ in failures] == [1, 0]
+    assert isinstance(root_cause(NoLoss(), failures), OSError)
+    hung = [(1, WorkerHangError("no worker reported within 3 s"))]  # the driver's own, unstamped
+    record(hung, 0, RuntimeError("Connection closed by peer"), at=2.0)
+    assert [rank for rank, _ in hung] == [1, 0], "a hang found by the driver stays the first failure"
+
+
 def test_a_rank_that_stops_reporting_is_a_hang_naming_it(storage):
     h = Harness(storage, [[[report(), report()], [report(), HANG]]], hang_timeout_s=0.05)
     with pytest.raises(TrainingFailedError) as info:

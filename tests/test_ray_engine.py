@@ -613,8 +613,9 @@ def test_an_elastic_run_shrinks_in_place_on_a_lost_node_then_grows_when_one_retu
     with no node in its place. Ranks 0 and 1 go on as a run of 2 from round 6, with the state a
     survivor holds, in the processes they had, without waiting for capacity and without
     reading storage. Their loop is `for_each_batch`, which cannot go on with another world
-    size: the ranks offer from inside it, and run the training function again (`RejoinAnew`). A node is then added; Ray places the lost rank's bundle there, and the run grows back
-    to 3 at a checkpoint. Each iteration once, and each sample once per epoch across both sizes."""
+    size: the ranks offer from inside it, and run the training function again (`RejoinAnew`).
+    A node is then added; Ray places the lost rank's bundle there, and the run grows back to 3
+    at a checkpoint. Each iteration once, and each sample once per epoch across both sizes."""
     _add_node(cluster, "node_c", cluster.node_env)
     cluster.wait_for_nodes()
     epochs = 4  # steps enough after the shrink for a node to join and the run to grow

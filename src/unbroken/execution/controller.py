@@ -40,7 +40,7 @@ from unbroken.execution.preemption import Interrupts
 from unbroken.execution.rank_payload import rank_payload
 from unbroken.execution.report_rounds import ReportRounds
 from unbroken.execution.validations import ValidationRunner, Validations
-from unbroken.execution.worker_failures import first_line, give_up_error, root_cause, worker_exception
+from unbroken.execution.worker_failures import first_line, give_up_error, record, root_cause, worker_exception
 from unbroken.run.handle import Run
 from unbroken.store import manifest as mf
 from unbroken.store.commit import Marker, round_name
@@ -410,8 +410,10 @@ class Controller:
             group.mark_finished(rank)
         elif isinstance(message, (Failed, WorkerDied)):
             rounds.fail(rank)
-            failures.append((rank, message if isinstance(message, WorkerDied) else
-                             worker_exception(rank, message.traceback, message.error)))
+            if isinstance(message, WorkerDied):
+                record(failures, rank, message, time.time())
+            else:
+                record(failures, rank, worker_exception(rank, message.traceback, message.error), message.at)
         else:
             raise TypeError(f"rank {rank} sent an unknown message {message!r}")
 

@@ -1,7 +1,7 @@
-"""What the controller makes of a failed worker group: the root cause among the ranks'
-failures (`root_cause`), a rank's own exception rebuilt on the driver with its remote
-traceback (`worker_exception`), and the TrainingFailedError that fit() raises when the
-failure policy gives up (`give_up_error`).
+"""What the controller makes of a failed worker group: the ranks' failures in the order they
+happened (`record`), the root cause among them (`root_cause`), a rank's own exception
+rebuilt on the driver with its remote traceback (`worker_exception`), and the
+TrainingFailedError that fit() raises when the failure policy gives up (`give_up_error`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,20 @@ def first_line(error: BaseException) -> str:
     """`Type: first line of the message`, for one-line logs and messages."""
     text = str(error)
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def record(failures: list[tuple[int, BaseException]], rank: int, error: BaseException, at: float) -> None:
+    """Add rank `rank`'s failure to `failures`, kept in the order the failures happened: `at`
+    is when (the rank's clock for an error it sent, the driver's for a death it saw; a
+    failure recorded without it, such as a hang, stays ahead). Messages of several ranks
+    that reach the driver in one poll come in rank order, not in the order they were sent,
+    and a rank whose own error (a full disk) ended its process group must stay ahead of the
+    broken collectives of its peers."""
+    error.failed_at = at  # type: ignore[attr-defined]
+    index = len(failures)
+    while index > 0 and getattr(failures[index - 1][1], "failed_at", 0.0) > at:
+        index -= 1
+    failures.insert(index, (rank, error))
 
 
 def root_cause(group: WorkerGroup, failures: list[tuple[int, BaseException]]) -> BaseException:

@@ -79,11 +79,13 @@ class Done:
 
 @dataclass(slots=True)
 class Failed:
-    """The worker's loop raised: the traceback text and the cloudpickled exception (None when
-    it does not pickle)."""
+    """The worker's loop raised: the traceback text, the cloudpickled exception (None when
+    it does not pickle), and when (wall clock) the rank failed: the driver orders by it the
+    failures of several ranks that reach it together (`worker_failures.record`)."""
 
     traceback: str
     error: bytes | None = None
+    at: float = 0.0
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -181,7 +182,7 @@ def failed(error: BaseException) -> Failed:
         blob = cloudpickle.dumps(error)
     except Exception:
         blob = None
-    return Failed("".join(traceback.format_exception(error)), blob)
+    return Failed("".join(traceback.format_exception(error)), blob, time.time())
 
 
 def _open(info: WorkerInfo, channel: Channel, backend: Backend, datasets: dict[str, Any] | None,
