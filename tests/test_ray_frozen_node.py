@@ -135,11 +135,11 @@ def test_a_frozen_node_is_lost_the_run_finishes_and_the_node_never_rejoins(clust
         assert rank1_file == expected, (name, rank1_file)
 
 
-def test_the_survivor_of_a_frozen_node_is_released_at_the_hang_bound_and_stays(cluster, tmp_path):
+def test_the_survivor_of_a_frozen_node_is_released_at_its_collective_timeout_and_stays(cluster, tmp_path):
     """recover_in_place with hang_timeout_s: rank 1 blocks after report 6, then its node freezes,
     keeping its connections open, so rank 0 stays blocked in its all-reduce after Ray declared
-    the node dead. torch.distributed's collective timeout is the hang bound in such a run:
-    rank 0's all-reduce fails there, rank 0 offers round 6 and stays, and rank 1 starts again
+    the node dead. torch.distributed's collective timeout is 1.5 times the hang bound in such a
+    run: rank 0's all-reduce fails there, rank 0 offers round 6 and stays, and rank 1 starts again
     on the spare node. Bit for bit with the uninterrupted run on the local engine."""
     from test_exact_resume import assert_same_run
     from test_ray_engine import jit_run

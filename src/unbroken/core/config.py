@@ -139,10 +139,10 @@ class FailureConfig:
     survivor to every rank over the new process group instead of through storage (local and
     Ray engines; whenever no survivor holds a clean state, the run restarts as before). An
     elastic run goes on without the ranks lost with their node (a shrink in place). It
-    still counts as a failure against `max_failures`. With `hang_timeout_s` too, that is
-    torch.distributed's collective timeout as well (`collective_timeout_s`), so that ranks
-    blocked in a collective with a machine that vanished (its connections stay open) are
-    released at the hang bound, and stay.
+    still counts as a failure against `max_failures`. With `hang_timeout_s` too,
+    torch.distributed's collective timeout becomes half as long again
+    (`collective_timeout_s`), so that ranks blocked in a collective with a machine that
+    vanished (its connections stay open) are released, and stay.
     """
 
     max_failures: int = 0
@@ -163,10 +163,13 @@ class FailureConfig:
     @property
     def collective_timeout_s(self) -> float | None:
         """How long a rank may wait in one torch.distributed collective before it fails, when
-        the run says (else TorchConfig.timeout_s): the hang bound, in a run that recovers in
-        place. A rank waiting that long is hung by the run's own rule, and its error lets it
-        offer its state and stay."""
-        return self.hang_timeout_s if self.recover_in_place else None
+        the run says (else TorchConfig.timeout_s): in a run that recovers in place, 1.5 times
+        the hang bound. A rank waiting that long is hung by the run's own rule, and its error
+        lets it offer its state and stay; the margin lets the driver's hang check come first,
+        which can tell a frozen rank from the ones waiting on it and kill it alone."""
+        if self.hang_timeout_s is None or not self.recover_in_place:
+            return None
+        return 1.5 * self.hang_timeout_s
 
 
 @dataclass
