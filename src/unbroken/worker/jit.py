@@ -106,7 +106,6 @@ def check_step_seed(step_seed: Any, jit_checkpoint: Any) -> int | None:
     return step_seed
 
 
-
 # -- worker side -----------------------------------------------------------------------------------
 class _Buffers:
     """A module's buffers that its state_dict holds, copied at each report with one fused copy."""
