@@ -664,7 +664,8 @@ class Harness:
                                    f"{[a['status'] for a in new]}")
         for entry in read_log(log):
             if entry["loaded"] == "peer":  # checked against the attempt record (check_in_place)
-                self.counts["in place: loops that stayed"] += bool(entry.get("in_loop"))
+                self.counts["in place: loops that stayed"] += bool(entry.get("in_loop")) and \
+                    entry["attempt"] > attempts_before
                 continue
             first = entry["attempt"] == attempts_before + 1
             if entry["attempt"] > attempts_before and ((first and entry["loaded"] != before)
