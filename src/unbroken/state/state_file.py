@@ -8,6 +8,8 @@ checkpoint (`worker.jit`) and reading a checkpoint whole (`Checkpoint.to_state_d
   "values"}` and, for a sharded model, `"sharded": {"directory", "names"}` (format 2).
 - `rng_rank<r>.pt` (every rank): python, numpy, torch CPU and current CUDA device generator
   states, and the TrainState's torch.Generator extras under `"generators"`.
+- `loader_rank<r>.pt` (every rank with a stream loader, `state.stream_loader`): that rank's
+  library state of each, by name, with the position it belongs to.
 
 Both load with `torch.load(..., weights_only=True)`. This module knows nothing of runs or
 sessions: ranks, directories and generators are passed in.
@@ -45,6 +47,11 @@ LOADABLE_SCALARS = PLAIN_SCALARS + (torch.Size, torch.dtype, torch.device)
 def rng_file(rank: int) -> str:
     """The name of rank `rank`'s RNG file in a TrainState checkpoint."""
     return f"rng_rank{rank}.pt"
+
+
+def loader_file(rank: int) -> str:
+    """The name of rank `rank`'s file of stream loader states (`StreamLoader.seek_state`)."""
+    return f"loader_rank{rank}.pt"
 
 
 def unwrap(model: Any) -> Any:
@@ -131,10 +138,11 @@ def load_full_state(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def write_files(directory: str, rank: int, payload: dict[str, Any] | None,
-                rng: dict[str, Any] | None) -> list[str]:
+                rng: dict[str, Any] | None, loaders: dict[str, Any] | None = None) -> list[str]:
     """Write rank `rank`'s files of a checkpoint into `directory`: `train_state.pt` from
-    `payload` (rank 0's, from `build_payload`) and `rng_rank<rank>.pt` from `rng` (from
-    `capture_rng`), each when given; returns the file names written."""
+    `payload` (rank 0's, from `build_payload`), `rng_rank<rank>.pt` from `rng` (from
+    `capture_rng`) and `loader_rank<rank>.pt` from `loaders` (this rank's stream loader
+    states, by name), each when given; returns the file names written."""
     written = []
     if payload is not None:
         torch.save(payload, os.path.join(directory, STATE_FILE))
@@ -142,6 +150,9 @@ def write_files(directory: str, rank: int, payload: dict[str, Any] | None,
     if rng is not None:
         torch.save(rng, os.path.join(directory, rng_file(rank)))
         written.append(rng_file(rank))
+    if loaders:
+        torch.save(loaders, os.path.join(directory, loader_file(rank)))
+        written.append(loader_file(rank))
     return written
 
 

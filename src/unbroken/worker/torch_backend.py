@@ -8,6 +8,7 @@ optionally per-sample seeding of the randomness in `__getitem__` (unbroken.state
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch.utils.data import (
 
 from unbroken.state.sample_seed import KeyedSampler, SeededDataset, sample_seed
 from unbroken.state.sampler import ResumableSampler
+from unbroken.state.stream_loader import StreamLoader, kind_of
 from unbroken.worker import dataset_shard
 from unbroken.worker import session as session_mod
 from unbroken.worker.backend import Backend, RendezvousFn
@@ -282,7 +284,9 @@ _KNOWN_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)
 
 def _why_not_resumable(loader: DataLoader, add_dist_sampler: bool, world_size: int) -> str | None:
     if isinstance(loader.dataset, IterableDataset):
-        return "it reads an IterableDataset, which has no sample order to resume"
+        return ("it reads an IterableDataset without state_dict()/load_state_dict(), whose position "
+                "cannot be saved; read it through torchdata's StatefulDataLoader, or give the dataset "
+                "state_dict() and load_state_dict()")
     if not add_dist_sampler:
         return "prepare_data_loader was called with add_dist_sampler=False, which keeps its own sampler"
     if loader.batch_size is None and loader.batch_sampler is not None:
@@ -302,7 +306,7 @@ def _why_not_resumable(loader: DataLoader, add_dist_sampler: bool, world_size: i
 def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
                         move_to_device: bool = True, *, seed: int | None = None,
                         seed_per_sample: bool | None = None,
-                        global_batch_size: int | None = None) -> ResumableDataLoader | DeviceDataLoader:
+                        global_batch_size: int | None = None) -> ResumableDataLoader | DeviceDataLoader | DataLoader:
     """Give each rank its share of the data, in a resumable order, on its device.
 
     The loader's sampler becomes a `ResumableSampler`: one seeded permutation of the dataset
@@ -327,9 +331,15 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
     workers: what an elastic run (`ScalingConfig(num_workers=(min, max))`) needs to stay the
     same training when it resizes. It must be divisible by every world size the run takes.
 
-    Returns a `ResumableDataLoader`, or a `DeviceDataLoader` (whose `why_not_resumable` says
-    why) for loaders it cannot make resumable: an IterableDataset, a custom batch_sampler,
-    `in_order=False`, or `add_dist_sampler=False`.
+    A loader over an IterableDataset is not split again (split it per rank yourself, e.g. with
+    `datasets.distributed.split_dataset_by_node`, as in Ray Train): when it can keep a position
+    (a torchdata `StatefulDataLoader`, or a dataset with `state_dict()`/`load_state_dict()`)
+    the same loader is returned, moving its batches to the device and resumable per rank
+    (`unbroken.state.stream_loader`).
+
+    Returns a `ResumableDataLoader`, that stream loader, or a `DeviceDataLoader` (whose
+    `why_not_resumable` says why) for loaders it cannot make resumable: an IterableDataset
+    without a state, a custom batch_sampler, `in_order=False`, or `add_dist_sampler=False`.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got "
@@ -338,6 +348,16 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
     device = get_device() if move_to_device else torch.device("cpu")
     rank, world_size = worker_ranks()
     per_rank = _per_rank_batch(global_batch_size, world_size)
+    if isinstance(data_loader.dataset, IterableDataset) and kind_of(data_loader) is not None:
+        if per_rank is not None:
+            raise ValueError("prepare_data_loader(global_batch_size=...) shares out a map-style dataset; "
+                             f"this loader streams an IterableDataset ({type(data_loader.dataset).__name__}), "
+                             "whose batches are as its DataLoader makes them. Hint: set the DataLoader's "
+                             "batch_size to the global batch size divided by the number of workers")
+        data_loader.worker_init_fn = _worker_init_fn(data_loader)
+        stream = StreamLoader.of(data_loader, world_size)
+        stream.move = None if device.type == "cpu" else functools.partial(_to_device, device=device)
+        return data_loader
     reason = _why_not_resumable(data_loader, add_dist_sampler, world_size)
     if reason is not None and per_rank is not None:
         raise ValueError(f"prepare_data_loader(global_batch_size=...) needs a loader it can make "

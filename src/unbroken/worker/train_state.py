@@ -41,6 +41,7 @@ from unbroken.state.state_file import (
     STATE_FILE,
     build_payload,
     capture_rng,
+    loader_file,
     plain_problem,
     read_payload,
     restore_rng,
@@ -49,6 +50,7 @@ from unbroken.state.state_file import (
     unwrap,
     write_files,
 )
+from unbroken.state.stream_loader import StreamLoader, kind_of, refusal
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import staging_name
 from unbroken.worker import in_loop
@@ -123,6 +125,8 @@ class TrainState:
                                  "give that value another name")
             if isinstance(value, torch.Generator):
                 self._generators[name] = value
+            elif kind_of(value) is not None or refusal(value, name) is not None:
+                self._objects[name] = self._check_stateful(name, value)
             elif _is_stateful(value) and not isinstance(value, torch.Tensor):
                 self._objects[name] = value
             else:
@@ -134,6 +138,12 @@ class TrainState:
 
     @staticmethod
     def _check_stateful(name: str, obj: Any) -> Any:
+        """`obj`, or, for a stream loader (its position per rank), its `StreamLoader`."""
+        refused = refusal(obj, name)
+        if refused:
+            raise TypeError(refused)
+        if kind_of(obj) is not None:
+            return StreamLoader.of(obj, worker_ranks()[1])
         if not _is_stateful(obj):
             hint = ""
             if name == "loader":
@@ -163,7 +173,8 @@ class TrainState:
         for table in ("_objects", "_values", "_generators"):
             entries = self.__dict__.get(table, {})
             if name in entries:
-                return entries[name]
+                entry = entries[name]
+                return entry.loader if isinstance(entry, StreamLoader) else entry
         raise AttributeError(f"TrainState has no {name!r}; it holds {self.names()}. Hint: declare "
                              f"it when building the state: TrainState(..., {name}=initial_value)")
 
@@ -242,10 +253,11 @@ class TrainState:
         return sharded_mod.live_state(unwrap(self._objects["model"]), optimizer)
 
     def _capture(self, sharded: list[str], shards: str | None, copy: bool = False
-                 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """(rank 0's `train_state.pt` payload, or None on the other ranks; this rank's RNG file),
-        checked for what torch.load(weights_only=True) loads back. With `copy`, every tensor is
-        copied (to CPU memory), so that training may go on while they are written."""
+                 ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+        """(rank 0's `train_state.pt` payload, or None on the other ranks; this rank's RNG file;
+        this rank's stream loader states), checked for what torch.load(weights_only=True) loads
+        back. With `copy`, every tensor is copied (to CPU memory), so that training may go on
+        while they are written."""
         rank, world_size = worker_ranks()
         payload = None
         if rank == 0:
@@ -262,7 +274,9 @@ class TrainState:
             payload = build_payload(state_dicts, dict(self._values), world_size,
                                     {"directory": shards, "names": sharded} if sharded else None)
         rng = capture_rng(self._generators)
-        return (snapshot(payload), rng) if copy else (payload, rng)
+        loaders = {name: seek for name, obj in self._objects.items()
+                   if isinstance(obj, StreamLoader) and (seek := obj.seek_state()) is not None}
+        return (snapshot(payload), rng, snapshot(loaders)) if copy else (payload, rng, loaders)
 
     def for_each_batch(self, loader: Iterable[Any], step: Callable[[Any], Any]) -> None:
         """Call `step(batch)` for each batch of `loader`'s current pass (one epoch, or what is
@@ -319,13 +333,13 @@ class TrainState:
             shard_state = snapshot(self._sharded_state(sharded))
             group = sharded_mod.background_group()
             staging = _next_staging()
-        payload, rng = self._capture(sharded, shards, copy=True)
+        payload, rng, loaders = self._capture(sharded, shards, copy=True)
 
         def write() -> tuple[str, bool]:
             directory = tempfile.mkdtemp(prefix="unbroken-state-")
             if shard_state is not None:
                 sharded_mod.save_into(directory, shards, shard_state, staging, group)
-            write_files(directory, worker_ranks()[0], payload, rng)
+            write_files(directory, worker_ranks()[0], payload, rng, loaders)
             return directory, True
         return write
 
@@ -378,6 +392,7 @@ class TrainState:
         payload = read_payload(path)
         self._apply(payload, directory, strict)
         rank, _ = worker_ranks()
+        self._seek_streams(os.path.join(directory, loader_file(rank)))
         rng_path = os.path.join(directory, rng_file(rank))
         if not os.path.exists(rng_path):
             logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
@@ -418,6 +433,16 @@ class TrainState:
         for name in self._values:
             if name in values:
                 self._values[name] = values[name]
+
+    def _seek_streams(self, path: str) -> None:
+        """Give each stream loader this rank's saved library state, to seek with instead of
+        replaying (when the checkpoint has this rank's file: not after a just-in-time save)."""
+        streams = {name: obj for name, obj in self._objects.items() if isinstance(obj, StreamLoader)}
+        if not streams or not os.path.exists(path):
+            return
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+        for name, stream in streams.items():
+            stream.use_seek(saved.get(name))
 
     def _load_sharded(self, shards: str, names: list[str], saved_torch: str | None) -> None:
         """Load the model (and optimizer) saved through torch.distributed.checkpoint,
