@@ -134,3 +134,172 @@ def test_a_rank_killed_mid_epoch_resumes_each_rank_at_its_next_batch(storage, ru
     files = final_files(result)
     assert (loader_file(1) in files) == (KINDS[kind] == "seek"), (kind, sorted(files))
     assert files[STATE_FILE]["state_dicts"]["loader"]["kind"] == "stream"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_just_in_time_checkpoint_replays_each_ranks_pass_exactly(storage, runs, data_dir, rank):
+    # One rank raises right after report 5 (not a periodic checkpoint); a survivor saves round
+    # 5 with the counts every rank shares, and no rank's own library state: the resume replays.
+    kind = "torchdata-map"
+    result = fit(storage, f"jit-{rank}", data_dir, kind=kind, jit=True, max_failures=1,
+                 die_after_report=[[5, 1, rank, "raise"]])
+    first, second = attempts(result)
+    assert first["jit_checkpoint"]["iteration"] == 5, first
+    assert second["resumed_from"] == "checkpoint_000005"
+    assert_same_run(result, reference(runs, data_dir, kind, jit=True), f"rank {rank} raised after report 5")
+
+
+def test_recovery_in_place_restarts_the_loop_of_a_stream_and_replays_exactly(storage, runs, data_dir):
+    # A stream loader does not stay inside its loop (its dataset may not go back to the start
+    # of a pass), but the survivor keeps its process, gets round 5 from a peer and replays.
+    kind = "hf-shards"
+    result = fit(storage, "in-place", data_dir, kind=kind, jit=True, max_failures=1, recover_in_place=True,
+                 die_after_report=[[5, 1, 1, "sigkill"]])
+    second = attempts(result)[1]
+    assert second["in_place"]["iteration"] == 5 and second["in_place"]["kept"] == [0], second
+    assert_same_run(result, reference(runs, data_dir, kind, jit=True), "rank 1 SIGKILLed after report 5")
+
+
+@pytest.mark.parametrize("kind", ["torchdata-hf-buffer", "hf-shards"])
+def test_a_driver_killed_and_restored_resumes_exactly(storage, runs, data_dir, kind):
+    step = kill_step(f"driver-{kind}")
+    context = f"UNBROKEN_TEST_SEED={SEED}, {kind}, driver SIGKILLed after step {step}"
+    driver = start_script(DRIVER, storage, f"driver-{kind}", repr({"data_dir": data_dir, "kind": kind}))
+    read_until(driver, f"STEP {step}")
+    driver.kill()
+    driver.wait()
+    result = TorchTrainer.restore(os.path.join(storage, f"driver-{kind}")).fit()
+    assert [a["status"] for a in attempts(result)][-1] == "FINISHED", context
+    assert_same_run(result, reference(runs, data_dir, kind), context)
+
+
+DRIVER = """
+import sys
+from stream_loops import stream_loop
+from unbroken.train import RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+TorchTrainer(stream_loop, train_loop_config={**eval(sys.argv[3]), "echo": True},
+             scaling_config=ScalingConfig(num_workers=2),
+             run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1])).fit()
+"""
+
+
+def test_another_number_of_workers_is_refused_and_nothing_stored_changes(storage, data_dir):
+    with pytest.raises(TrainingFailedError):
+        fit(storage, "resize", data_dir, kind="hf-shards", kill_at=[[5, 1, 0, "raise"]])
+    path = os.path.join(storage, "resize")
+    before = sorted(os.listdir(path))
+    with pytest.raises(TrainingFailedError) as failed:
+        TorchTrainer.restore(path, scaling_config=ScalingConfig(num_workers=1)).fit()
+    text = str(failed.value)
+    assert "StateMismatchError" in text and "saved by 2 ranks" in text and "num_workers=2" in text, text
+    assert sorted(os.listdir(path)) == before
+    result = TorchTrainer.restore(path, scaling_config=ScalingConfig(num_workers=2)).fit()  # goes on
+    assert [s["step"] for s in steps(result)] == list(range(1, STEPS + 1))
+
+
+# -- the loaders outside a run ----------------------------------------------------------
+
+
+def _take(loader, n=None):
+    out = []
+    for batch in loader:
+        out.append(batch["id"].tolist())
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def test_a_resume_seeks_with_the_ranks_own_state_instead_of_reading_again(data_dir, tmp_path):
+    import stream_loops
+
+    config = {"data_dir": data_dir}
+    loader, _ = make_loader("custom", config, 0, 2)
+    state = TrainState(loader=loader)
+    first = _take(loader, 3)
+    state.save(tmp_path)
+    again, _ = make_loader("custom", config, 0, 2)
+    reads = []
+    original = stream_loops.ShardStream.__iter__
+
+    def counting(self):
+        for row in original(self):
+            reads.append(int(row["id"]))
+            yield row
+    stream_loops.ShardStream.__iter__ = counting
+    try:
+        resumed = TrainState(loader=again)
+        resumed.load(tmp_path)
+        rest = _take(again)
+    finally:
+        stream_loops.ShardStream.__iter__ = original
+    whole, _ = make_loader("custom", config, 0, 2)
+    assert first + rest == _take(whole)
+    assert len(reads) == sum(len(b) for b in rest), "the resume read the trained batches again"
+
+
+def test_a_stream_without_a_state_is_refused_when_the_state_is_built():
+    class Plain(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    loader = torch.utils.data.DataLoader(Plain(), batch_size=2)
+    with pytest.raises(TypeError, match="Plain.*StatefulDataLoader.*state_dict"):
+        TrainState(loader=loader)
+    with pytest.raises(TypeError, match="StatefulDataLoader"):
+        TrainState(val=loader)
+
+
+def test_a_state_that_is_not_plain_data_is_stored_as_data(tmp_path):
+    np = pytest.importorskip("numpy")
+
+    class NumpyStream(torch.utils.data.IterableDataset):
+        def __init__(self):
+            self.offset = np.int64(0)
+
+        def __iter__(self):
+            while self.offset < 8:
+                self.offset += 1
+                yield torch.tensor(int(self.offset))
+
+        def state_dict(self):
+            return {"offset": self.offset, "seen": np.arange(int(self.offset))}
+
+        def load_state_dict(self, state):
+            self.offset = np.int64(state["offset"])
+
+    loader = torch.utils.data.DataLoader(NumpyStream(), batch_size=2)
+    state = TrainState(loader=loader)
+    _ = [next(iter(loader)) for _ in range(1)]
+    state.save(tmp_path)
+    saved = torch.load(tmp_path / loader_file(0), weights_only=True)["loader"]["library"]
+    assert saved["offset"] == 2 and torch.equal(saved["seen"], torch.arange(2))
+    again = torch.utils.data.DataLoader(NumpyStream(), batch_size=2)
+    resumed = TrainState(loader=again)
+    resumed.load(tmp_path)
+    assert [b.tolist() for b in again] == [[3, 4], [5, 6], [7, 8]]
+
+
+def test_data_that_changed_since_the_checkpoint_is_named_and_nothing_changes(data_dir, tmp_path):
+    config = {"data_dir": data_dir}
+    loader, _ = make_loader("hf-shards", config, 0, 2)
+    state = TrainState(loader=loader)
+    _take(loader, 2)
+    state.save(tmp_path)
+    saved = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    other, _ = make_loader("hf-shards", {**config, "shards": 8}, 0, 2)
+    with pytest.raises(StateMismatchError, match="num_shards was 2, is 4"):
+        TrainState(loader=other).load(tmp_path)
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == saved
+
+
+def test_prepare_data_loader_keeps_a_stream_unsplit_and_resumable(data_dir, tmp_path):
+    from unbroken.train.torch import prepare_data_loader
+
+    config = {"data_dir": data_dir}
+    loader, _ = make_loader("hf-shards", config, 1, 2)
+    whole = _take(make_loader("hf-shards", config, 1, 2)[0])
+    prepared = prepare_data_loader(loader, move_to_device=False)
+    assert prepared is loader and _take(prepared) == whole  # not split a second time
+    with pytest.raises(ValueError, match="global_batch_size"):
+        prepare_data_loader(make_loader("custom", config, 0, 2)[0], move_to_device=False, global_batch_size=8)

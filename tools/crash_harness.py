@@ -36,6 +36,10 @@ Invariants checked at every launch and at the end of each trial:
     newest committed checkpoint; with --ray too, a rank that blocks right after a report and
     then loses its node, which the next attempt must also recover in place from); half the
     trials loop with TrainState.for_each_batch, whose survivors stay inside their loop;
+  - with --data (--jit, the loop reading a per-rank stream through torchdata's
+    StatefulDataLoader with a worker process prefetching): each rank's sample sequence
+    equals the uninterrupted run's, whether a resume seeks with the rank's own saved state
+    (a periodic checkpoint) or replays the pass (a just-in-time one);
   - a full disk fails the launch with StorageFullError, and the next launch (with room
     again) resumes;
   - a second driver started while the first holds the run fails with LeaseHeldError naming
@@ -55,7 +59,7 @@ Invariants checked at every launch and at the end of each trial:
     that validation process), and retention never deleted one still pending.
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
-        [--jit] [--in-place] [--elastic] [--strike] [--max-kills N]
+        [--jit] [--in-place] [--data] [--elastic] [--strike] [--max-kills N]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -119,6 +123,7 @@ UPLOAD_MODE = {False: CheckpointUploadMode.SYNC, True: CheckpointUploadMode.ASYN
 ASYNC_SAVES = [False]  # --async: the loop's checkpoints are written in the background
 JIT = [False]  # --jit: the loop's state is a TrainState with just-in-time checkpoints
 IN_PLACE = [False]  # --in-place: --jit, and a failed rank is replaced while the others stay
+DATA = [False]  # --data: --jit, and the loop reads a streaming loader (per-rank position)
 ELASTIC = [False]  # --elastic: num_workers=(2, 3) on a 3-node Ray cluster that loses and regains nodes
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
@@ -163,7 +168,11 @@ def crash_loop(config: dict) -> None:
     x, y = x[rank::world], y[rank::world]
     for it in range(start + 1, config["iterations"] + 1):
         time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        ids = None
+        if batches is not None:
+            batch = next(batches)
+            xb, yb, ids = batch["x"], batch["y"], batch["id"].tolist()
+        loss = torch.nn.functional.mse_loss(model(x if ids is None else xb), y if ids is None else yb)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -200,6 +209,37 @@ def validate_checkpoint(checkpoint: Checkpoint) -> dict:
     return {"val_iteration": meta["iteration"], "val_intact": intact}
 
 
+class RankStream(torch.utils.data.IterableDataset):
+    """--data: a stateful stream of this rank's samples ({"id", "x", "y"}), a seeded order per
+    pass of `length` samples, its position (pass, offset) in state_dict()."""
+
+    def __init__(self, rank: int, world: int, length: int = 20) -> None:
+        self.rank, self.world, self.length = rank, world, length
+        self.passes, self.offset = 0, 0
+
+    def __iter__(self) -> Iterator[dict]:
+        g = torch.Generator().manual_seed(1000 * self.passes + self.rank)
+        order = torch.randperm(self.length, generator=g)
+        while self.offset < self.length:
+            i = int(order[self.offset]) * self.world + self.rank
+            self.offset += 1
+            x = torch.randn(16, generator=torch.Generator().manual_seed(i))
+            yield {"id": torch.tensor(i), "x": x, "y": torch.sin(x.sum(dim=0, keepdim=True))}
+        self.passes, self.offset = self.passes + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"passes": self.passes, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.passes, self.offset = state["passes"], state["offset"]
+
+
+def _stream(loader: Any) -> Iterator[Any]:
+    """--data: batches of pass after pass of `loader` (each `iter` a pass it counts)."""
+    while True:
+        yield from loader
+
+
 def jit_loop(config: dict) -> None:
     """crash_loop's job, with dropout, through TrainState(jit_checkpoint=True, step_seed=...):
     a failing rank's survivor saves the last round. Logs what each attempt loads, checked
@@ -220,6 +260,10 @@ def jit_loop(config: dict) -> None:
     if config.get("in_loop"):  # TrainState.for_each_batch: one pass of one batch per iteration
         loader = prepare_data_loader(torch.utils.data.DataLoader(range(world * config["iterations"]),
                                                                  batch_size=1, shuffle=False))
+    if config.get("data"):  # a per-rank stream through torchdata (a worker process prefetching)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(RankStream(rank, world), batch_size=4, num_workers=1)
     state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11,
                        **({"loader": loader} if loader is not None else {}))
     checkpoint = train.get_checkpoint()
@@ -248,6 +292,7 @@ def jit_loop(config: dict) -> None:
     y = torch.sin(x.sum(dim=1, keepdim=True))
     everything = (x, y) if config.get("on_request") else None  # elastic: report the loss on all of it
     x, y = x[rank::world], y[rank::world]
+    batches = _stream(loader) if config.get("data") else None
     attempts = [ctx.get_attempt()]
 
     def step(_batch: Any = None) -> None:
@@ -259,7 +304,11 @@ def jit_loop(config: dict) -> None:
                 f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": "peer", "in_loop": True,
                                     "rank": rank, "iteration": state.iteration, "intact": True}) + "\n")
         time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        ids = None
+        if batches is not None:
+            batch = next(batches)
+            xb, yb, ids = batch["x"], batch["y"], batch["id"].tolist()
+        loss = torch.nn.functional.mse_loss(model(x if ids is None else xb), y if ids is None else yb)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -268,9 +317,14 @@ def jit_loop(config: dict) -> None:
                 loss = torch.nn.functional.mse_loss(model(everything[0]), everything[1])
         state.iteration = it
         asked = bool(config.get("on_request")) and ctx.should_checkpoint()
-        state.report({"loss": loss.item()}, checkpoint=it % config["every"] == 0 or asked)
+        metrics = {"loss": loss.item()}
+        if ids is not None:  # every rank's samples of this step, checked against the reference
+            every = [None] * world
+            torch.distributed.all_gather_object(every, ids)
+            metrics["ids"] = every
+        state.report(metrics, checkpoint=it % config["every"] == 0 or asked)
 
-    if loader is not None:  # one batch per iteration, in one pass: survivors stay in this loop
+    if config.get("in_loop"):  # one batch per iteration, in one pass: survivors stay in this loop
         state.for_each_batch(loader, step)
     else:
         for _ in range(state.iteration + 1, config["iterations"] + 1):
@@ -279,9 +333,9 @@ def jit_loop(config: dict) -> None:
 
 def loops_stay(log: str) -> bool:
     """--in-place: whether the trial that logs to `log` loops with TrainState.for_each_batch, whose
-    survivors stay inside their loop (half the trials, the elastic ones aside)."""
+    survivors stay inside their loop (half the trials, the elastic and --data ones aside)."""
     index = re.findall(r"[0-9]+", os.path.basename(log))  # trial-<index>.log
-    return IN_PLACE[0] and not ELASTIC[0] and bool(index) and int(index[0]) % 2 == 0
+    return IN_PLACE[0] and not ELASTIC[0] and not DATA[0] and bool(index) and int(index[0]) % 2 == 0
 
 
 def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
@@ -293,7 +347,7 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
         scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1},
                                 elastic_resize_monitor_interval_s=1.0)
         config.update(samples=240, on_request=True, step_s=0.3)
-    config.update(in_loop=loops_stay(log))
+    config.update(in_loop=loops_stay(log), data=DATA[0])
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
         validation_config=ValidationConfig(validate_checkpoint) if validate else None,
@@ -386,6 +440,7 @@ class Harness:
         self.counts: Counter[str] = Counter()
         self.violations: list[str] = []
         self.reference_losses: list[float] = []
+        self.reference_ids: list[Any] = []
         self.reference_weights: dict[str, torch.Tensor] = {}
         self.duration = 1.0
 
@@ -409,6 +464,7 @@ class Harness:
             raise SystemExit(f"the uninterrupted reference run failed: {open(outcome).read()}")
         result = Result.from_path(f"{storage}/run")
         self.reference_losses = [row["loss"] for row in _timeline(result.url)]
+        self.reference_ids = [row.get("ids") for row in _timeline(result.url)]
         self.reference_weights = self.final_weights(result)
 
     @staticmethod
@@ -763,6 +819,8 @@ class Harness:
             self.violations.append(f"{where}: timeline is {iterations}")
         elif not same(torch.tensor([row["loss"] for row in rows]), torch.tensor(self.reference_losses)):
             self.violations.append(f"{where}: losses differ from the uninterrupted run")
+        elif [row.get("ids") for row in rows] != self.reference_ids:
+            self.violations.append(f"{where}: a rank's sample sequence differs from the uninterrupted run")
         weights = self.final_weights(result)
         if weights.keys() != self.reference_weights.keys() or not all(
                 same(weights[k], self.reference_weights[k]) for k in weights):
@@ -981,6 +1039,9 @@ def main(argv: list[str] | None = None) -> int:
                              "struck after a report is started again while the others keep their processes")
     parser.add_argument("--jit", action="store_true",
                         help="the loop keeps its state in a TrainState with just-in-time checkpoints")
+    parser.add_argument("--data", action="store_true",
+                        help="--jit, with the loop reading a per-rank stream (torchdata's StatefulDataLoader "
+                             "over a stateful IterableDataset, one worker process prefetching)")
     parser.add_argument("--ray", action="store_true",
                         help="run the workers on a local 2-node Ray cluster (the Ray engine)")
     parser.add_argument("--elastic", action="store_true",
@@ -989,7 +1050,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves
-    JIT[0] = args.jit or args.in_place
+    JIT[0] = args.jit or args.in_place or args.data
+    DATA[0] = args.data
     IN_PLACE[0] = args.in_place
     ELASTIC[0] = args.elastic
     started = time.monotonic()

@@ -109,3 +109,17 @@ def test_random_kills_with_recovery_in_place_on_a_ray_cluster_soak():
 def test_random_kills_node_losses_and_returns_with_an_elastic_run_soak():
     pytest.importorskip("ray")
     check(run_harness(20, "--elastic"), 20)
+
+
+def test_random_kills_with_a_streaming_loader():
+    # The loop reads a per-rank stream (torchdata's StatefulDataLoader, a worker process
+    # prefetching): each rank's sample sequence must equal the uninterrupted run's, whether a
+    # resume seeks with the rank's own saved state or replays the pass after a just-in-time save.
+    report = run_harness(6, "--data", "--strike")
+    check(report, 6, restores=2)
+    assert report.get("jit: saved", 0) + report.get("jit: fell back", 0) >= 1, report
+
+
+@pytest.mark.slow
+def test_random_kills_with_a_streaming_loader_recovered_in_place_soak():
+    check(run_harness(60, "--data", "--in-place"), 60, commit_kills=0, restores=0)

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from unbroken.errors import StateMismatchError
+from unbroken.state.loader_workers import die_with_rank
 from unbroken.state.sample_seed import sample_seed
 from unbroken.state.state_file import LOADABLE_SCALARS, capture_rng, plain_problem, restore_rng
 from unbroken.state.stream_position import StreamPosition
@@ -180,6 +181,7 @@ class StreamLoader:
             self._generator = loader.generator = torch.Generator()
             if getattr(loader.sampler, "generator", False) is None:
                 loader.sampler.generator = self._generator
+        loader.worker_init_fn = die_with_rank(loader)
         loader.__class__ = _positioned_class(type(loader))
         setattr(loader, _ATTR, self)
 
@@ -207,7 +209,7 @@ class StreamLoader:
         name = f"the loader ({type(self.loader).__name__} over {type(self.loader.dataset).__name__})"
         saved, now = state.get("data", {}) if isinstance(state, dict) else {}, self._data()
         changed = [f"{key} was {saved[key]!r}, is {now.get(key)!r}" for key in saved if saved[key] != now.get(key)]
-        if changed:
+        if changed and state.get("world_size") == self.position.world_size:  # else the next line says why
             raise StateMismatchError(
                 f"{name} reads other data than the run it resumes: {'; '.join(changed)}. Its saved "
                 "position does not point into this data. Hint: resume with the data the run was "

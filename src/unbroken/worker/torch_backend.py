@@ -25,6 +25,7 @@ from torch.utils.data import (
 )
 
 from unbroken.state.sample_seed import KeyedSampler, SeededDataset, sample_seed
+from unbroken.state.loader_workers import die_with_rank
 from unbroken.state.sampler import ResumableSampler
 from unbroken.state.stream_loader import StreamLoader, kind_of
 from unbroken.worker import dataset_shard
@@ -238,37 +239,6 @@ class ResumableDataLoader:
         sampler.end_epoch()
 
 
-class _DieWithRank:
-    """A DataLoader `worker_init_fn` that makes the worker process die with its rank.
-
-    A DataLoader worker inherits its rank's end of the pipe that tells the driver the rank is
-    alive, so a rank killed with SIGKILL is only noticed once its DataLoader workers are gone,
-    and they only check for a dead parent every few seconds. With PR_SET_PDEATHSIG the kernel
-    kills them with the rank, so the driver notices at once. Runs the user's function after.
-    """
-
-    def __init__(self, user_fn: Any) -> None:
-        self.user_fn = user_fn
-
-    def __call__(self, worker_id: int) -> None:
-        try:
-            import ctypes
-            import signal
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):  # not Linux
-            pass
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-
-
-def _worker_init_fn(loader: DataLoader) -> Any:
-    fn = loader.worker_init_fn
-    if loader.num_workers == 0 or isinstance(fn, _DieWithRank):
-        return fn
-    return _DieWithRank(fn)
-
-
 def worker_ranks() -> tuple[int, int]:
     """(rank, world size) of this worker: from the session, else torch.distributed, else (0, 1)."""
     session = session_mod._current
@@ -354,7 +324,6 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
                              f"this loader streams an IterableDataset ({type(data_loader.dataset).__name__}), "
                              "whose batches are as its DataLoader makes them. Hint: set the DataLoader's "
                              "batch_size to the global batch size divided by the number of workers")
-        data_loader.worker_init_fn = _worker_init_fn(data_loader)
         stream = StreamLoader.of(data_loader, world_size)
         stream.move = None if device.type == "cpu" else functools.partial(_to_device, device=device)
         return data_loader
@@ -363,7 +332,7 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
         raise ValueError(f"prepare_data_loader(global_batch_size=...) needs a loader it can make "
                          f"resumable, and this one is not: {reason}")
     if reason is not None:
-        data_loader.worker_init_fn = _worker_init_fn(data_loader)
+        data_loader.worker_init_fn = die_with_rank(data_loader)
         return DeviceDataLoader(data_loader, device, reason)
 
     old = data_loader.sampler
@@ -389,7 +358,7 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
         seed_per_sample = data_loader.num_workers > 0
     generator = torch.Generator()
     kwargs = loader_kwargs(data_loader)
-    kwargs.update(worker_init_fn=_worker_init_fn(data_loader), generator=generator)
+    kwargs.update(worker_init_fn=die_with_rank(data_loader), generator=generator)
     if per_rank is not None:
         kwargs["batch_size"] = per_rank
     if seed_per_sample:
