@@ -79,7 +79,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
 
     def __iter__(self):
-        order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.rows), generator=g)
         while self.offset < len(order):
             row = self.rows[int(order[self.offset])]
             self.offset += 1
@@ -100,9 +101,11 @@ def make_loader(kind: str, config: dict, rank: int, world: int):
     batch = config.get("batch_size", 4)
     if kind == "torchdata-map":
         data = Rows(_rows(config))
-        sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=5)
-        return (StatefulDataLoader(data, batch_size=batch, sampler=sampler, num_workers=config.get("num_workers", 0)),
-                sampler.set_epoch)
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
+                                                      seed=5)
+        workers = config.get("num_workers", 0)
+        loader = StatefulDataLoader(data, batch_size=batch, sampler=sampler, num_workers=workers)
+        return loader, sampler.set_epoch
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the data is local files; nothing to download
     os.environ.setdefault("HF_HOME", os.path.join(config["data_dir"], "hf"))
     import datasets
@@ -117,7 +120,8 @@ def make_loader(kind: str, config: dict, rank: int, world: int):
         data = data.with_format("torch")
         return StatefulDataLoader(data, batch_size=batch, num_workers=2), data.set_epoch
     if kind == "hf-shards":
-        data = datasets.Dataset.from_list(_rows(config)).to_iterable_dataset(num_shards=config.get("shards", 4))
+        data = datasets.Dataset.from_list(_rows(config))
+        data = data.to_iterable_dataset(num_shards=config.get("shards", 4))
         data = split_dataset_by_node(data, rank=rank, world_size=world).with_format("torch")
         return torch.utils.data.DataLoader(data, batch_size=batch), data.set_epoch
     raise ValueError(kind)

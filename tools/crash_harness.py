@@ -168,11 +168,7 @@ def crash_loop(config: dict) -> None:
     x, y = x[rank::world], y[rank::world]
     for it in range(start + 1, config["iterations"] + 1):
         time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
-        ids = None
-        if batches is not None:
-            batch = next(batches)
-            xb, yb, ids = batch["x"], batch["y"], batch["id"].tolist()
-        loss = torch.nn.functional.mse_loss(model(x if ids is None else xb), y if ids is None else yb)
+        loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -304,11 +300,11 @@ def jit_loop(config: dict) -> None:
                 f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": "peer", "in_loop": True,
                                     "rank": rank, "iteration": state.iteration, "intact": True}) + "\n")
         time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
-        ids = None
+        xs, ys, ids = x, y, None
         if batches is not None:
             batch = next(batches)
-            xb, yb, ids = batch["x"], batch["y"], batch["id"].tolist()
-        loss = torch.nn.functional.mse_loss(model(x if ids is None else xb), y if ids is None else yb)
+            xs, ys, ids = batch["x"], batch["y"], batch["id"].tolist()
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
         opt.zero_grad()
         loss.backward()
         opt.step()

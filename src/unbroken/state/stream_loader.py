@@ -33,6 +33,7 @@ Why it is exact:
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -208,7 +209,8 @@ class StreamLoader:
         Refused, with nothing changed, when the data is not what the counts were taken over."""
         name = f"the loader ({type(self.loader).__name__} over {type(self.loader.dataset).__name__})"
         saved, now = state.get("data", {}) if isinstance(state, dict) else {}, self._data()
-        changed = [f"{key} was {saved[key]!r}, is {now.get(key)!r}" for key in saved if saved[key] != now.get(key)]
+        changed = [f"{key} was {saved[key]!r}, is {now.get(key)!r}"
+                   for key in saved if saved[key] != now.get(key)]
         if changed and state.get("world_size") == self.position.world_size:  # else the next line says why
             raise StateMismatchError(
                 f"{name} reads other data than the run it resumes: {'; '.join(changed)}. Its saved "
@@ -280,7 +282,7 @@ class StreamLoader:
                 skip = 0
             else:
                 batches = start()
-            skipped = sum(1 for _ in zip(range(skip), batches))
+            skipped = sum(1 for _ in itertools.islice(batches, skip))
         finally:
             restore_rng(held)
         if skipped < skip:  # the pass had been trained on to its last batch

@@ -24,8 +24,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from unbroken.state.sample_seed import KeyedSampler, SeededDataset, sample_seed
 from unbroken.state.loader_workers import die_with_rank
+from unbroken.state.sample_seed import KeyedSampler, SeededDataset, sample_seed
 from unbroken.state.sampler import ResumableSampler
 from unbroken.state.stream_loader import StreamLoader, kind_of
 from unbroken.worker import dataset_shard
@@ -276,7 +276,8 @@ def _why_not_resumable(loader: DataLoader, add_dist_sampler: bool, world_size: i
 def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
                         move_to_device: bool = True, *, seed: int | None = None,
                         seed_per_sample: bool | None = None,
-                        global_batch_size: int | None = None) -> ResumableDataLoader | DeviceDataLoader | DataLoader:
+                        global_batch_size: int | None = None
+                        ) -> ResumableDataLoader | DeviceDataLoader | DataLoader:
     """Give each rank its share of the data, in a resumable order, on its device.
 
     The loader's sampler becomes a `ResumableSampler`: one seeded permutation of the dataset
@@ -320,8 +321,9 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True,
     per_rank = _per_rank_batch(global_batch_size, world_size)
     if isinstance(data_loader.dataset, IterableDataset) and kind_of(data_loader) is not None:
         if per_rank is not None:
+            streamed = type(data_loader.dataset).__name__
             raise ValueError("prepare_data_loader(global_batch_size=...) shares out a map-style dataset; "
-                             f"this loader streams an IterableDataset ({type(data_loader.dataset).__name__}), "
+                             f"this loader streams an IterableDataset ({streamed}), "
                              "whose batches are as its DataLoader makes them. Hint: set the DataLoader's "
                              "batch_size to the global batch size divided by the number of workers")
         stream = StreamLoader.of(data_loader, world_size)
