@@ -170,3 +170,35 @@ def stream_loop(config: dict) -> None:
                 print(f"STEP {state.step}", flush=True)
         state.epoch = epoch + 1
     state.report({"final": True, "step": state.step}, checkpoint=True)
+
+
+def ray_data_loop(config: dict) -> None:
+    """stream_loop's job over `train.get_dataset_shard("train")` of a Ray Dataset, iterated with
+    `iter_torch_batches` as Ray Train scripts do; the shard is the TrainState's loader."""
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    seed_everything(100 + rank)
+    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                              torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    shard = train.get_dataset_shard("train")
+    state = TrainState(model=model, optimizer=opt, loader=shard, epoch=0, step=0)
+    state.restore()
+    for epoch in range(state.epoch, config.get("epochs", 2)):
+        for batch in shard.iter_torch_batches(batch_size=config.get("batch_size", 4),
+                                              dtypes={"x": torch.float32, "y": torch.float32}):
+            loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"].unsqueeze(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.step += 1
+            for at, attempt, kill_rank, mode in config.get("kill_at", []):
+                if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+                    _die(mode, at)
+            every = [None] * world
+            torch.distributed.all_gather_object(every, [loss.item(), batch["id"].tolist()])
+            state.report({"step": state.step, "epoch": epoch, "losses": [e[0] for e in every],
+                          "ids": [e[1] for e in every]},
+                         checkpoint=state.step % config.get("ckpt_every", 3) == 0)
+        state.epoch = epoch + 1
+    state.report({"final": True, "step": state.step}, checkpoint=True)

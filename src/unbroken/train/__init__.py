@@ -17,6 +17,7 @@ from typing import Any
 from unbroken.core import ray_names as _ray_names
 from unbroken.core.codec import is_dataset_builder
 from unbroken.core.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from unbroken.core.shipping import is_ray_dataset
 from unbroken.core.validation_config import (
     ValidationConfig,
     ValidationFn,
@@ -34,6 +35,7 @@ from unbroken.store.commit import check_custom_name
 from unbroken.train import collective
 from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
 from unbroken.worker import dataset_shard as _dataset_shard
+from unbroken.worker import ray_data_shard as _ray_data_shard
 from unbroken.worker import session as _session
 from unbroken.worker.report_config import (
     CheckpointConsistencyMode,
@@ -134,13 +136,18 @@ def get_context() -> TrainContext:
 
 def get_dataset_shard(name: str) -> Any:
     """This rank's shard of `datasets[name]`: every world_size-th item from this rank on (a list
-    or tuple for list and tuple datasets, else a `torch.utils.data.Subset`).
+    or tuple for list and tuple datasets, else a `torch.utils.data.Subset`). For a
+    `ray.data.Dataset` (on the Ray engine), a `RayDataShard`: `iter_torch_batches`,
+    `iter_batches` and `iter_rows` as in Ray Train, with a position `TrainState(loader=shard)`
+    saves, so a resumed run continues each rank at its next batch.
 
     `prepare_data_loader`, Lightning under `RayDDPStrategy` and the Transformers Trainer after
     `prepare_trainer` recognise a shard and share out the dataset it was cut from instead of
     splitting it again."""
     session = _session.current("train.get_dataset_shard()")
     given = session.datasets.get(name)
+    if is_ray_dataset(given):
+        return _ray_data_shard.shard_of(session, name, given)
     if not is_dataset_builder(given):  # (a name not given: the session's KeyError says so)
         return _dataset_shard.mark(session.get_dataset_shard(name), given)
     whole = given()  # built once here, so the shard's whole dataset is the one it was cut from

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from unbroken.core import shipping
 from unbroken.errors import StorageNotSharedError
 from unbroken.worker import jit as jit_checkpoint
 from unbroken.worker import peer_state
@@ -240,4 +241,4 @@ def _next_attempt(channel: Channel) -> WorkerPayload:
     message = channel.recv()
     while not isinstance(message, Rejoin):  # what was on its way to the failed attempt
         message = channel.recv()
-    return cloudpickle.loads(message.payload)
+    return shipping.loads(message.payload)

@@ -31,12 +31,12 @@ from multiprocessing.connection import (
 )
 from typing import Any
 
-import cloudpickle
 import ray
 import ray.exceptions
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from unbroken.core import shipping
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup, renumbered
@@ -229,9 +229,10 @@ class RayWorkerGroup:
         """Start the `run` of the ranks at `placements` and wait until each has connected (or
         one failed)."""
         for p in placements:
+            blob, apart = shipping.dumps(payload(p))
+            shipped = {token: ray.put(dataset) for token, dataset in apart.items()}
             self.refs[p.rank] = self.actors[p.rank].run.remote(
-                cloudpickle.dumps(payload(p)), p.rank, self._listener.address, self._listener.authkey,
-                list(sys.path))
+                blob, p.rank, self._listener.address, self._listener.authkey, list(sys.path), shipped)
         waiting = selectors.DefaultSelector()
         waiting.register(self._listener, selectors.EVENT_READ)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -284,7 +285,7 @@ class RayWorkerGroup:
                 self._moved(rank)
         for rank in range(self.num_workers):
             if rank not in replaced:
-                self.send(rank, Rejoin(cloudpickle.dumps(payload(self.placements[rank]))))
+                self.send(rank, Rejoin(shipping.dumps(payload(self.placements[rank]))[0]))
         self._run(payload, [self.placements[rank] for rank in sorted(replaced)])
         return self.placements
 

@@ -14,11 +14,11 @@ import time
 from multiprocessing.connection import Client
 from typing import Any
 
-import cloudpickle
 import ray
 import ray.exceptions
 
 import unbroken
+from unbroken.core import shipping
 from unbroken.errors import WorkerDied
 from unbroken.execution.engine.ray_link import no_delay
 from unbroken.worker import stacks
@@ -110,12 +110,13 @@ class RankActor:
         thread.join()
 
     def run(self, payload: bytes, rank: int, address: tuple[str, int], authkey: bytes,
-            sys_path: list[str]) -> str:
+            sys_path: list[str], shipped: dict[str, Any] | None = None) -> str:
         """Run the rank's part of the attempt; returns the outcome's name. The driver's import
         path is added where its directories exist here, so that functions pickled by reference
-        (defined in the driver's modules) load as they do in a local worker."""
+        (defined in the driver's modules) load as they do in a local worker. `shipped`: the
+        payload's Ray Datasets, as object references (`core.shipping`)."""
         sys.path.extend(p for p in sys_path if p not in sys.path and os.path.isdir(p))
-        work = cloudpickle.loads(payload)
+        work = shipping.loads(payload, shipped)
         conn = Client(tuple(address), authkey=authkey)
         no_delay(conn)
         conn.send(("hello", rank))

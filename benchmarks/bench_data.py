@@ -1,0 +1,213 @@
+"""What exact resume costs for each kind of loader: steps per second with and without TrainState,
+the size of the saved loader state, and the time from a resume to the first batch.
+
+    python benchmarks/bench_data.py [--repeats N] [--rows N] [--quick]
+
+One process plays rank 0 of 2 (each loader splits the rows as it would among 2 ranks). Each
+step is a tiny model's forward, backward and optimizer step, so that what the loader adds shows
+rather than drowns: a real model's step makes the same overhead a smaller share.
+
+- plain: the user's loader in a plain PyTorch loop, no unbroken.
+- TrainState: the same loader handed to `TrainState(loader=...)`, which counts the batches the
+  loop takes (unbroken.state.stream_loader); the report path reads nothing of the loader until
+  a checkpoint is saved.
+- state: the bytes of the loader's part of a checkpoint (the counts in train_state.pt and this
+  rank's `loader_rank0.pt`), saved half way through a pass.
+- first batch, fresh: building the loader and taking the first batch of a pass (what any
+  start costs); resumed: building it, `TrainState.load` of the half-way checkpoint, and the
+  first batch after it, by seeking with the library's state, or by replaying the pass to
+  that point where the library's state is not exact (`how`).
+
+Prints a markdown table of medians (min-max) over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unbroken.state.state_file import STATE_FILE, loader_file
+from unbroken.train.torch import ResumableDataLoader, TrainState, prepare_data_loader
+
+BATCH = 64
+
+
+def write_rows(directory: str, rows: int, shards: int = 8) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    paths = []
+    per = rows // shards
+    for s in range(shards):
+        path = os.path.join(directory, f"shard-{s}.jsonl")
+        with open(path, "w") as f:
+            for r in range(per):
+                f.write(json.dumps({"id": s * per + r, "x": torch.randn(16, generator=g).tolist()}) + "\n")
+        paths.append(path)
+    return paths
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"id": i, "x": self.x[i]}
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A stateful stream of its own (rank 0 of 2): its position is an offset it can seek to."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x[0::2]
+        self.offset = 0
+
+    def __iter__(self):
+        while self.offset < len(self.x):
+            self.offset += 1
+            yield {"id": self.offset - 1, "x": self.x[self.offset - 1]}
+        self.offset = 0
+
+    def state_dict(self) -> dict:
+        return {"offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.offset = state["offset"]
+
+
+def kinds(files: list[str], x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """name -> a function that builds the loader as a user would (rank 0 of 2)."""
+    from datasets import Dataset, load_dataset
+    from datasets.distributed import split_dataset_by_node
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def torchdata_map(workers: int) -> Callable[[], Any]:
+        def build() -> Any:
+            data = Rows(x)
+            sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0, seed=1)
+            return StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, num_workers=workers)
+        return build
+
+    def hf_shards() -> Any:
+        data = Dataset.from_dict({"id": list(range(len(x))), "x": x.tolist()})
+        data = data.to_iterable_dataset(num_shards=8)
+        return torch.utils.data.DataLoader(split_dataset_by_node(data, 0, 2).with_format("torch"),
+                                           batch_size=BATCH)
+
+    def hf_stream() -> Any:
+        data = load_dataset("json", data_files=files, split="train", streaming=True)
+        data = split_dataset_by_node(data.shuffle(seed=3, buffer_size=256), 0, 2).with_format("torch")
+        return StatefulDataLoader(data, batch_size=BATCH, num_workers=2)
+
+    def prepared() -> Any:
+        return prepare_data_loader(torch.utils.data.DataLoader(Rows(x), batch_size=BATCH, shuffle=True),
+                                   move_to_device=False)
+
+    return {"StatefulDataLoader, map-style + DistributedSampler": torchdata_map(0),
+            "StatefulDataLoader(num_workers=2), map-style": torchdata_map(2),
+            "DataLoader, HF to_iterable_dataset(8 shards)": hf_shards,
+            "StatefulDataLoader(num_workers=2), HF streaming + shuffle buffer": hf_stream,
+            "DataLoader, stateful IterableDataset": lambda: torch.utils.data.DataLoader(Stream(x), BATCH),
+            "prepare_data_loader, map-style (for comparison)": prepared}
+
+
+def train_pass(loader: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
+               limit: int | None = None) -> int:
+    steps = 0
+    for batch in loader:
+        loss = model(batch["x"].float()).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+        if steps == limit:
+            break
+    return steps
+
+
+def measure(build: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out: dict[str, list[float]] = {"plain": [], "state": [], "fresh": [], "resumed": []}
+    size, how = 0, ""
+    train_pass(build(), model, opt)  # warm up: imports, caches, the first pass's allocations
+    for repeat in range(repeats):
+        for name in ("plain", "state") if repeat % 2 == 0 else ("state", "plain"):
+            loader = build()
+            if name == "state":
+                TrainState(loader=loader)
+            t0 = time.perf_counter()
+            steps = train_pass(loader, model, opt)
+            out[name].append(steps / (time.perf_counter() - t0))
+        half = steps // 2
+        loader = build()
+        state = TrainState(loader=loader)
+        train_pass(loader, model, opt, limit=half)
+        directory = tempfile.mkdtemp(prefix="bench-data-")
+        try:
+            state.save(directory)
+            saved = torch.load(os.path.join(directory, STATE_FILE), weights_only=True)
+            seek_file = os.path.join(directory, loader_file(0))
+            counts = io.BytesIO()
+            torch.save(saved["state_dicts"]["loader"], counts)
+            size = counts.getbuffer().nbytes
+            size += os.path.getsize(seek_file) if os.path.exists(seek_file) else 0
+            seeks = os.path.exists(seek_file) or isinstance(loader, ResumableDataLoader)
+            how = "seek" if seeks else "replay"
+            t0 = time.perf_counter()
+            next(iter(build()))
+            out["fresh"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            again = build()
+            resumed = TrainState(loader=again)
+            resumed.load(directory)
+            next(iter(again))
+            out["resumed"].append(time.perf_counter() - t0)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    return {**{k: (statistics.median(v), min(v), max(v)) for k, v in out.items()}, "size": size, "how": how}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=40_000)
+    parser.add_argument("--quick", action="store_true", help="2 repeats of 4,000 rows")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.rows = 2, 4_000
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as d:
+        os.environ.setdefault("HF_HOME", os.path.join(d, "hf"))
+        files = write_rows(d, args.rows)
+        x = torch.randn(args.rows, 16, generator=torch.Generator().manual_seed(0))
+        print(f"{args.rows} rows, batches of {BATCH}, rank 0 of 2, medians of {args.repeats} (min-max); "
+              f"torch {torch.__version__}, {sys.platform}\n")
+        print("| loader | steps/s plain | steps/s TrainState | overhead | state | resume | "
+              "first batch, fresh | first batch, resumed half way |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, build in kinds(files, x).items():
+            r = measure(build, args.repeats)
+            plain, state = r["plain"][0], r["state"][0]
+            print(f"| {name} | {plain:,.0f} ({r['plain'][1]:,.0f}-{r['plain'][2]:,.0f}) "
+                  f"| {state:,.0f} ({r['state'][1]:,.0f}-{r['state'][2]:,.0f}) "
+                  f"| {100 * (plain - state) / plain:+.1f}% | {r['size']:,} B | {r['how']} "
+                  f"| {1e3 * r['fresh'][0]:.0f} ms | {1e3 * r['resumed'][0]:.0f} ms |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

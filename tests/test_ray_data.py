@@ -1,0 +1,96 @@
+"""Ray Data on the Ray engine: `TorchTrainer(..., datasets={"train": ray.data.Dataset})` and
+`train.get_dataset_shard("train").iter_torch_batches(...)`, on a real multi-node Ray cluster on
+this machine, read from JSON-lines files the test writes. A rank SIGKILLed mid-epoch resumes
+each rank at its next batch, bit for bit; a restore with another number of workers sees each
+row once per epoch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from stream_loops import ray_data_loop, write_shards  # noqa: E402
+from test_stream_resume import assert_same_run, attempts, kill_step, steps  # noqa: E402
+from unbroken.errors import UnsupportedOptionError  # noqa: E402
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from unbroken.train.torch import TorchTrainer  # noqa: E402
+from unbroken.worker.ray_data_shard import RayDataShard  # noqa: E402
+
+pytestmark = pytest.mark.ray
+MB = 2**20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head with 2 CPUs for Ray Data's tasks and two nodes of 1 CPU for the ranks."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                      "object_store_memory": 80 * MB})
+    for name in ("node_a", "node_b"):
+        c.add_node(num_cpus=1, object_store_memory=80 * MB, resources={name: 1})
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_shards(str(tmp_path_factory.mktemp("ray-data")))
+
+
+def fit(storage, name, files, workers=2, max_failures=0, **config):
+    dataset = ray.data.read_json(files)
+    return TorchTrainer(ray_data_loop, train_loop_config=config, datasets={"train": dataset},
+                        scaling_config=ScalingConfig(num_workers=workers, engine="ray",
+                                                     resources_per_worker={"CPU": 1}),
+                        run_config=RunConfig(name=name, storage_path=storage, verbose=0,
+                                             failure_config=FailureConfig(max_failures=max_failures))).fit()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, files, tmp_path_factory):
+    return fit(str(tmp_path_factory.mktemp("ray-data-ref")), "reference", files)
+
+
+def test_each_rank_takes_its_share_of_each_global_batch_once_an_epoch(reference):
+    rows = steps(reference)
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    for epoch in (0, 1):
+        seen = sorted(i for r in rows if r["epoch"] == epoch for rank in r["ids"] for i in rank)
+        assert seen == list(range(64)), epoch
+    assert rows[0]["ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the dataset's order, in global batches
+
+
+def test_a_rank_killed_mid_epoch_resumes_bit_for_bit(cluster, files, storage, reference):
+    step = kill_step("ray-data")
+    result = fit(storage, "killed", files, max_failures=1, kill_at=[[step, 1, 1, "sigkill"]])
+    assert attempts(result)[0]["status"] == "ERRORED"
+    assert_same_run(result, reference, f"rank 1 SIGKILLed at step {step}")
+
+
+def test_another_number_of_workers_sees_each_row_once_an_epoch(cluster, files, storage):
+    # Killed at step 5 (checkpoint 3: 24 rows of epoch 0 consumed), restored on one worker.
+    from unbroken.train import TrainingFailedError
+
+    with pytest.raises(TrainingFailedError):
+        fit(storage, "resized", files, kill_at=[[5, 1, 0, "raise"]])
+    path = os.path.join(storage, "resized")
+    result = TorchTrainer.restore(path, datasets={"train": ray.data.read_json(files)},
+                                  scaling_config=ScalingConfig(num_workers=1, engine="ray",
+                                                               resources_per_worker={"CPU": 1})).fit()
+    rows = steps(result)
+    for epoch in (0, 1):
+        seen = sorted(i for r in rows if r["epoch"] == epoch for rank in r["ids"] for i in rank)
+        assert seen == list(range(64)), (epoch, seen)
+
+
+def test_a_local_shuffle_buffer_is_refused_with_a_hint():
+    shard = RayDataShard(None, 0, 1)
+    with pytest.raises(UnsupportedOptionError, match="random_shuffle"):
+        next(shard.iter_torch_batches(batch_size=4, local_shuffle_buffer_size=64))
