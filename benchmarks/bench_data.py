@@ -1,7 +1,7 @@
 """What exact resume costs for each kind of loader: steps per second with and without TrainState,
 the size of the saved loader state, and the time from a resume to the first batch.
 
-    python benchmarks/bench_data.py [--repeats N] [--rows N] [--quick]
+    python benchmarks/bench_data.py [--repeats N] [--rows N] [--quick] [--ray]
 
 One process plays rank 0 of 2 (each loader splits the rows as it would among 2 ranks). Each
 step is a tiny model's forward, backward and optimizer step, so that what the loader adds shows
@@ -17,6 +17,12 @@ rather than drowns: a real model's step makes the same overhead a smaller share.
   start costs); resumed: building it, `TrainState.load` of the half-way checkpoint, and the
   first batch after it, by seeking with the library's state, or by replaying the pass to
   that point where the library's state is not exact (`how`).
+
+With `--ray` (on a local Ray instance of 2 CPUs), Ray Data too: `plain` is the dataset read
+once in batches of 64 by one consumer (what a share of Ray's `streaming_split` costs at least),
+`TrainState` is rank 0's `RayDataShard` (`train.get_dataset_shard`), which reads every row in
+global batches of 64 x 2 and keeps its half, and a resume skips the consumed rows by reading
+them (Ray Data cannot seek to a row).
 
 Prints a markdown table of medians (min-max) over the repeats.
 """
@@ -35,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from unbroken.state.state_file import STATE_FILE, loader_file
@@ -180,11 +187,72 @@ def measure(build: Callable[[], Any], repeats: int) -> dict[str, Any]:
     return {**{k: (statistics.median(v), min(v), max(v)) for k, v in out.items()}, "size": size, "how": how}
 
 
+def measure_ray_data(files: list[str], repeats: int) -> dict[str, Any]:
+    """The Ray Data row: one consumer's plain pass against rank 0's RayDataShard of 2."""
+    import ray
+
+    from unbroken.worker.ray_data_shard import RayDataShard
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.data.DataContext.get_current().execution_options.preserve_order = True
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        dataset = ray.data.read_json(files).materialize()  # reading files is the same on both sides
+        model = torch.nn.Linear(16, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step(batch: dict) -> None:
+            loss = model(torch.as_tensor(np.stack(batch["x"]), dtype=torch.float32)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        out: dict[str, list[float]] = {"plain": [], "state": [], "fresh": [], "resumed": []}
+        steps = 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            steps = sum(1 for batch in dataset.iter_batches(batch_size=BATCH) if step(batch) is None)
+            out["plain"].append(steps / (time.perf_counter() - t0))
+            shard = RayDataShard(dataset, 0, 2)
+            t0 = time.perf_counter()
+            taken = sum(1 for batch in shard.iter_batches(batch_size=BATCH) if step(batch) is None)
+            out["state"].append(taken / (time.perf_counter() - t0))
+            shard = RayDataShard(dataset, 0, 2)
+            batches = shard.iter_batches(batch_size=BATCH)
+            for _, batch in zip(range(taken // 2), batches, strict=False):
+                step(batch)
+            batches.close()
+            saved = shard.state_dict()
+            t0 = time.perf_counter()
+            next(iter(RayDataShard(dataset, 0, 2).iter_batches(batch_size=BATCH)))
+            out["fresh"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            again = RayDataShard(dataset, 0, 2)
+            again.load_state_dict(saved)
+            next(iter(again.iter_batches(batch_size=BATCH)))
+            out["resumed"].append(time.perf_counter() - t0)
+        counts = io.BytesIO()
+        torch.save(saved, counts)
+        return {**{k: (statistics.median(v), min(v), max(v)) for k, v in out.items()},
+                "size": counts.getbuffer().nbytes, "how": "skip by reading"}
+    finally:
+        ray.shutdown()
+
+
+def row(name: str, r: dict[str, Any]) -> str:
+    plain, state = r["plain"][0], r["state"][0]
+    return (f"| {name} | {plain:,.0f} ({r['plain'][1]:,.0f}-{r['plain'][2]:,.0f}) "
+            f"| {state:,.0f} ({r['state'][1]:,.0f}-{r['state'][2]:,.0f}) "
+            f"| {100 * (plain - state) / plain:+.1f}% | {r['size']:,} B | {r['how']} "
+            f"| {1e3 * r['fresh'][0]:.0f} ms | {1e3 * r['resumed'][0]:.0f} ms |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", type=int, default=40_000)
     parser.add_argument("--quick", action="store_true", help="2 repeats of 4,000 rows")
+    parser.add_argument("--ray", action="store_true", help="Ray Data too, on a local Ray instance")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.rows = 2, 4_000
@@ -200,12 +268,10 @@ def main(argv: list[str] | None = None) -> int:
               "first batch, fresh | first batch, resumed half way |")
         print("|---|---|---|---|---|---|---|---|")
         for name, build in kinds(files, x).items():
-            r = measure(build, args.repeats)
-            plain, state = r["plain"][0], r["state"][0]
-            print(f"| {name} | {plain:,.0f} ({r['plain'][1]:,.0f}-{r['plain'][2]:,.0f}) "
-                  f"| {state:,.0f} ({r['state'][1]:,.0f}-{r['state'][2]:,.0f}) "
-                  f"| {100 * (plain - state) / plain:+.1f}% | {r['size']:,} B | {r['how']} "
-                  f"| {1e3 * r['fresh'][0]:.0f} ms | {1e3 * r['resumed'][0]:.0f} ms |", flush=True)
+            print(row(name, measure(build, args.repeats)), flush=True)
+        if args.ray:
+            print(row("Ray Data: get_dataset_shard (rank 0 of 2) vs one plain reader",
+                      measure_ray_data(files, args.repeats)), flush=True)
     return 0
 
 

@@ -303,3 +303,39 @@ def test_prepare_data_loader_keeps_a_stream_unsplit_and_resumable(data_dir, tmp_
     assert prepared is loader and _take(prepared) == whole  # not split a second time
     with pytest.raises(ValueError, match="global_batch_size"):
         prepare_data_loader(make_loader("custom", config, 0, 2)[0], move_to_device=False, global_batch_size=8)
+
+
+def test_a_shuffled_stateful_loader_resumes_without_moving_the_training_generators(tmp_path):
+    # StatefulDataLoader(shuffle=True): its sampler seeds a generator of its own when it is built
+    # (from the global one, in the user's code, before and after a resume alike); iterating
+    # leaves the training generators as they were, and a resume continues the same order.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader():
+        return StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True)
+
+    def passes(dl, state=None, stop=None):
+        out = []
+        for _ in range(2):
+            for batch in dl:
+                out.append(batch.tolist())
+                if len(out) == stop:
+                    state.save(tmp_path)
+                    return out
+        return out
+
+    torch.manual_seed(5)
+    whole = loader()
+    TrainState(loader=whole)
+    before = torch.get_rng_state()
+    everything = passes(whole)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert everything[:10] != everything[10:], "a new order each pass"
+    torch.manual_seed(5)
+    first = loader()
+    head = passes(first, TrainState(loader=first), stop=13)
+    torch.manual_seed(5)
+    again = loader()
+    TrainState(loader=again).load(tmp_path)
+    tail = [b.tolist() for b in again]
+    assert head + tail == everything[:20]

@@ -49,7 +49,7 @@ class _Unpickler(pickle.Unpickler):
         tag, token = pid
         if tag != _TAG:
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        if token not in _received:
+        if token in self.refs:  # sent with this payload: newer than any kept under the same token
             import ray
 
             _received[token] = ray.get(self.refs[token])
