@@ -192,7 +192,7 @@ class RayDataShard:
                 dtype = dtypes.get(key) if isinstance(dtypes, dict) else dtypes
                 if value.dtype == object:  # a column of equal-shaped lists or arrays
                     value = np.stack([np.asarray(v) for v in value])
-                out[key] = torch.tensor(value, dtype=dtype, device=target)  # a copy: Ray's arrays are read-only
+                out[key] = torch.tensor(value, dtype=dtype, device=target)  # copied: Ray's are read-only
             yield out
 
     def iter_rows(self) -> Iterator[dict[str, Any]]:
