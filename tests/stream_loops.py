@@ -127,6 +127,38 @@ def make_loader(kind: str, config: dict, rank: int, world: int):
     raise ValueError(kind)
 
 
+def _model_and_optimizer(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    seed_everything(100 + rank)
+    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                              torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _train(config: dict, state: TrainState, epoch: int, batch: dict) -> None:
+    """One step of the stream loops on `batch` ({"id", "x", "y"}): the optimizer step, the faults
+    of `config` due at it, and the report of every rank's loss and sample ids."""
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    loss = torch.nn.functional.mse_loss(state.model(batch["x"].float()), batch["y"].float().unsqueeze(1))
+    state.optimizer.zero_grad()
+    loss.backward()
+    state.optimizer.step()
+    state.step += 1
+    for at, attempt, kill_rank, mode in config.get("kill_at", []):
+        if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+            _die(mode, at)
+    every = [None] * world
+    torch.distributed.all_gather_object(every, [loss.item(), batch["id"].tolist()])
+    state.report({"step": state.step, "epoch": epoch, "losses": [e[0] for e in every],
+                  "ids": [e[1] for e in every]},
+                 checkpoint=state.step % config.get("ckpt_every", 3) == 0)
+    for at, attempt, kill_rank, mode in config.get("die_after_report", []):
+        if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
+            threading.Event().wait() if mode == "hang" else _die(mode, at)
+    if config.get("echo") and rank == 0:
+        print(f"STEP {state.step}", flush=True)
+
+
 def stream_loop(config: dict) -> None:
     """A DDP job with dropout and AdamW over a streaming loader of `config["kind"]`, its state a
     TrainState checkpointed every `ckpt_every` steps; each step reports every rank's loss and
@@ -136,10 +168,7 @@ def stream_loop(config: dict) -> None:
     prepare_data_loader."""
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    seed_everything(100 + rank)
-    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                              torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = _model_and_optimizer(rank)
     loader, set_epoch = make_loader(config["kind"], config, rank, world)
     if config.get("prepare"):
         loader = prepare_data_loader(loader)
@@ -149,25 +178,7 @@ def stream_loop(config: dict) -> None:
     for epoch in range(state.epoch, config.get("epochs", 2)):
         set_epoch(epoch)
         for batch in loader:
-            x, y = batch["x"].float(), batch["y"].float().unsqueeze(1)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            state.step += 1
-            for at, attempt, kill_rank, mode in config.get("kill_at", []):
-                if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
-                    _die(mode, at)
-            every = [None] * world
-            torch.distributed.all_gather_object(every, [loss.item(), batch["id"].tolist()])
-            state.report({"step": state.step, "epoch": epoch, "losses": [e[0] for e in every],
-                          "ids": [e[1] for e in every]},
-                         checkpoint=state.step % config.get("ckpt_every", 3) == 0)
-            for at, attempt, kill_rank, mode in config.get("die_after_report", []):
-                if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
-                    threading.Event().wait() if mode == "hang" else _die(mode, at)
-            if config.get("echo") and rank == 0:
-                print(f"STEP {state.step}", flush=True)
+            _train(config, state, epoch, batch)
         state.epoch = epoch + 1
     state.report({"final": True, "step": state.step}, checkpoint=True)
 
@@ -175,30 +186,13 @@ def stream_loop(config: dict) -> None:
 def ray_data_loop(config: dict) -> None:
     """stream_loop's job over `train.get_dataset_shard("train")` of a Ray Dataset, iterated with
     `iter_torch_batches` as Ray Train scripts do; the shard is the TrainState's loader."""
-    ctx = train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    seed_everything(100 + rank)
-    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                              torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = _model_and_optimizer(train.get_context().get_world_rank())
     shard = train.get_dataset_shard("train")
     state = TrainState(model=model, optimizer=opt, loader=shard, epoch=0, step=0)
     state.restore()
     for epoch in range(state.epoch, config.get("epochs", 2)):
         for batch in shard.iter_torch_batches(batch_size=config.get("batch_size", 4),
                                               dtypes={"x": torch.float32, "y": torch.float32}):
-            loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"].unsqueeze(1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            state.step += 1
-            for at, attempt, kill_rank, mode in config.get("kill_at", []):
-                if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
-                    _die(mode, at)
-            every = [None] * world
-            torch.distributed.all_gather_object(every, [loss.item(), batch["id"].tolist()])
-            state.report({"step": state.step, "epoch": epoch, "losses": [e[0] for e in every],
-                          "ids": [e[1] for e in every]},
-                         checkpoint=state.step % config.get("ckpt_every", 3) == 0)
+            _train(config, state, epoch, batch)
         state.epoch = epoch + 1
     state.report({"final": True, "step": state.step}, checkpoint=True)

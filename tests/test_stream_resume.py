@@ -15,6 +15,7 @@ import torch
 
 from conftest import read_until, start_script
 from stream_loops import KINDS, make_loader, stream_loop, write_shards
+from test_exact_resume import assert_identical
 from unbroken.errors import StateMismatchError
 from unbroken.state.state_file import STATE_FILE, loader_file, rng_file
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
@@ -77,21 +78,6 @@ def attempts(result) -> list[dict]:
     return json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["attempts"]
 
 
-def assert_same(a, b, where: str, context: str) -> None:
-    if isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and torch.equal(a, b), f"{where} differs ({context})"
-    elif isinstance(b, dict):
-        assert set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)} ({context})"
-        for k in b:
-            assert_same(a[k], b[k], f"{where}[{k!r}]", context)
-    elif isinstance(b, (list, tuple)):
-        assert len(a) == len(b), f"{where}: lengths differ ({context})"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]", context)
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r} ({context})"
-
-
 def assert_same_run(got, want, context: str) -> None:
     """Each iteration once; each rank's sample ids and loss at every step; the final
     checkpoint's files (model, optimizer, counters, each rank's RNG) bit for bit."""
@@ -101,7 +87,7 @@ def assert_same_run(got, want, context: str) -> None:
         assert g == w, f"step {w['step']} differs: {g} vs {w} ({context})"
     got_files, want_files = final_files(got), final_files(want)
     for name in (STATE_FILE, rng_file(0), rng_file(1)):
-        assert_same(got_files[name], want_files[name], name, context)
+        assert_identical(got_files[name], want_files[name], name, context)
 
 
 def kill_step(name: str) -> int:
