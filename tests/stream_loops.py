@@ -136,7 +136,8 @@ def _model_and_optimizer(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimi
 
 def _train(config: dict, state: TrainState, epoch: int, batch: dict) -> None:
     """One step of the stream loops on `batch` ({"id", "x", "y"}): the optimizer step, the faults
-    of `config` due at it, and the report of every rank's loss and sample ids."""
+    of `config` due at it, and the report of every rank's loss and sample ids. `hang_at`:
+    [step, attempt] at which rank 1, on Ray, writes its node's id to `hang_marker` and blocks."""
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     loss = torch.nn.functional.mse_loss(state.model(batch["x"].float()), batch["y"].float().unsqueeze(1))
@@ -147,6 +148,12 @@ def _train(config: dict, state: TrainState, epoch: int, batch: dict) -> None:
     for at, attempt, kill_rank, mode in config.get("kill_at", []):
         if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
             _die(mode, at)
+    if config.get("hang_at") == [state.step, ctx.get_attempt()] and rank == 1:  # its node is removed
+        import ray
+
+        with open(config["hang_marker"], "w") as f:
+            f.write(ray.get_runtime_context().get_node_id())
+        threading.Event().wait()
     every = [None] * world
     torch.distributed.all_gather_object(every, [loss.item(), batch["id"].tolist()])
     state.report({"step": state.step, "epoch": epoch, "losses": [e[0] for e in every],

@@ -12,10 +12,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import start_script  # noqa: E402
 from stream_loops import ray_data_loop, write_shards  # noqa: E402
+from test_ray_engine import marker_fifo, read_marker  # noqa: E402
 from test_stream_resume import assert_same_run, attempts, kill_step, steps  # noqa: E402
 from unbroken.errors import UnsupportedOptionError  # noqa: E402
-from unbroken.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from unbroken.train import FailureConfig, Result, RunConfig, ScalingConfig  # noqa: E402
 from unbroken.train.torch import TorchTrainer  # noqa: E402
 from unbroken.worker.ray_data_shard import RayDataShard  # noqa: E402
 
@@ -72,6 +74,29 @@ def test_a_rank_killed_mid_epoch_resumes_bit_for_bit(cluster, files, storage, re
     result = fit(storage, "killed", files, max_failures=1, kill_at=[[step, 1, 1, "sigkill"]])
     assert attempts(result)[0]["status"] == "ERRORED"
     assert_same_run(result, reference, f"rank 1 SIGKILLed at step {step}")
+
+
+def test_a_lost_node_resumes_bit_for_bit(cluster, files, storage, reference, tmp_path):
+    # Rank 1 blocks at step 7 (past checkpoint 6) and its node is removed without warning, with
+    # whatever Ray Data held there; a node joins in its place and the run goes on from 6.
+    marker = str(tmp_path / "hung")
+    fifo = marker_fifo(marker)
+    driver = start_script(f"""
+import ray
+from test_ray_data import fit
+ray.init(address="auto", log_to_driver=False)
+fit({storage!r}, "lost-node", {files!r}, max_failures=1, hang_at=[7, 1], hang_marker={marker!r})
+""", RAY_ADDRESS=cluster.address)
+    node_id = read_marker(fifo, driver, "rank 1 to block at step 7")
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    cluster.remove_node(node, allow_graceful=False)
+    cluster.add_node(num_cpus=1, object_store_memory=80 * MB)
+    out, err = driver.communicate(timeout=180)
+    assert driver.returncode == 0, err[-3000:]
+    result = Result.from_path(os.path.join(storage, "lost-node"))
+    first, second = attempts(result)
+    assert "lost with its node" in first["error"] and second["resumed_from"] == "checkpoint_000006", first
+    assert_same_run(result, reference, "rank 1's node removed at step 7")
 
 
 def test_another_number_of_workers_sees_each_row_once_an_epoch(cluster, files, storage):

@@ -15,6 +15,7 @@ DCP's own metadata classes), as everything else unbroken loads.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import warnings
@@ -36,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from unbroken.errors import StateMismatchError
+
+logger = logging.getLogger("unbroken")
 
 #: DCP's index file, written by rank 0.
 DCP_METADATA = ".metadata"
@@ -93,6 +96,28 @@ def load(directory: str, model: Any, optimizer: Any | None) -> None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_saved_by(saved_torch: str | None, directory: str, model: Any, optimizer: Any | None) -> None:
+    """`load`, for shards saved with torch `saved_torch`: another version is warned of, and a
+    load that then fails says so (DCP promises no compatibility across versions)."""
+    other_torch = saved_torch != torch.__version__
+    if other_torch:
+        logger.warning("%s was saved with torch %s and is loaded with torch %s: "
+                       "torch.distributed.checkpoint promises no compatibility across torch "
+                       "versions", directory, saved_torch, torch.__version__)
+    try:
+        load(directory, model, optimizer)
+    except StateMismatchError:
+        raise
+    except Exception as e:
+        if not other_torch:
+            raise
+        raise StateMismatchError(
+            f"loading the sharded state in {directory} failed: {type(e).__name__}: {e}. It was saved "
+            f"with torch {saved_torch}; this is torch {torch.__version__}, and "
+            "torch.distributed.checkpoint promises no compatibility across versions. Hint: restore "
+            f"with torch {saved_torch}") from e
 
 
 def load_full(directory: str) -> dict[str, Any]:

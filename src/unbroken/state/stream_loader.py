@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -160,6 +161,17 @@ def _positioned_class(cls: type) -> type:
             "__iter__": __iter__, "__slots__": (), "_unbroken_positioned": True,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return _classes[cls]
+
+
+def seek_from(path: str, streams: dict[str, StreamLoader]) -> None:
+    """Give each stream loader this rank's saved library state from `path` (its
+    `loader_rank<r>.pt`), to seek with instead of replaying; a checkpoint without one (a
+    just-in-time save) leaves them replaying."""
+    if not streams or not os.path.exists(path):
+        return
+    saved = torch.load(path, weights_only=True, map_location="cpu")
+    for name, stream in streams.items():
+        stream.use_seek(saved.get(name))
 
 
 class StreamLoader:

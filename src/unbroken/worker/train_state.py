@@ -50,7 +50,7 @@ from unbroken.state.state_file import (
     unwrap,
     write_files,
 )
-from unbroken.state.stream_loader import StreamLoader, kind_of, refusal
+from unbroken.state.stream_loader import StreamLoader, kind_of, refusal, seek_from
 from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import staging_name
 from unbroken.worker import in_loop
@@ -392,7 +392,8 @@ class TrainState:
         payload = read_payload(path)
         self._apply(payload, directory, strict)
         rank, _ = worker_ranks()
-        self._seek_streams(os.path.join(directory, loader_file(rank)))
+        seek_from(os.path.join(directory, loader_file(rank)),
+                  {name: obj for name, obj in self._objects.items() if isinstance(obj, StreamLoader)})
         rng_path = os.path.join(directory, rng_file(rank))
         if not os.path.exists(rng_path):
             logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
@@ -434,39 +435,13 @@ class TrainState:
             if name in values:
                 self._values[name] = values[name]
 
-    def _seek_streams(self, path: str) -> None:
-        """Give each stream loader this rank's saved library state, to seek with instead of
-        replaying (when the checkpoint has this rank's file: not after a just-in-time save)."""
-        streams = {name: obj for name, obj in self._objects.items() if isinstance(obj, StreamLoader)}
-        if not streams or not os.path.exists(path):
-            return
-        saved = torch.load(path, weights_only=True, map_location="cpu")
-        for name, stream in streams.items():
-            stream.use_seek(saved.get(name))
-
     def _load_sharded(self, shards: str, names: list[str], saved_torch: str | None) -> None:
         """Load the model (and optimizer) saved through torch.distributed.checkpoint,
         resharded onto this run's layout. Collective."""
         from unbroken.state import sharded as sharded_mod
 
         optimizer = self._objects.get("optimizer") if "optimizer" in names else None
-        other_torch = saved_torch != torch.__version__
-        if other_torch:
-            logger.warning("%s was saved with torch %s and is loaded with torch %s: "
-                           "torch.distributed.checkpoint promises no compatibility across torch "
-                           "versions", shards, saved_torch, torch.__version__)
-        try:
-            sharded_mod.load(shards, unwrap(self._objects["model"]), optimizer)
-        except StateMismatchError:
-            raise
-        except Exception as e:
-            if not other_torch:
-                raise
-            raise StateMismatchError(
-                f"loading the sharded state in {shards} failed: {type(e).__name__}: {e}. It was saved "
-                f"with torch {saved_torch}; this is torch {torch.__version__}, and "
-                "torch.distributed.checkpoint promises no compatibility across versions. Hint: restore "
-                f"with torch {saved_torch}") from e
+        sharded_mod.load_saved_by(saved_torch, shards, unwrap(self._objects["model"]), optimizer)
 
     @staticmethod
     def _compare(kind: str, declared: Mapping[str, Any], saved: Mapping[str, Any], strict: bool,
