@@ -27,13 +27,14 @@ MB = 2**20
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A head with 2 CPUs for Ray Data's tasks and two nodes of 1 CPU for the ranks."""
+    """A head with 2 CPUs for Ray Data's tasks and two nodes of 1 CPU for the ranks (a rank needs
+    a "rank" slot, which only they have, so that no rank is on the head, which cannot be lost)."""
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
                                                       "object_store_memory": 80 * MB})
     for name in ("node_a", "node_b"):
-        c.add_node(num_cpus=1, object_store_memory=80 * MB, resources={name: 1})
+        c.add_node(num_cpus=1, object_store_memory=80 * MB, resources={name: 1, "rank": 1})
     ray.init(address=c.address, log_to_driver=False)
     c.wait_for_nodes()
     yield c
@@ -50,7 +51,7 @@ def fit(storage, name, files, workers=2, max_failures=0, **config):
     dataset = ray.data.read_json(files)
     return TorchTrainer(ray_data_loop, train_loop_config=config, datasets={"train": dataset},
                         scaling_config=ScalingConfig(num_workers=workers, engine="ray",
-                                                     resources_per_worker={"CPU": 1}),
+                                                     resources_per_worker={"CPU": 1, "rank": 1}),
                         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                                              failure_config=FailureConfig(max_failures=max_failures))).fit()
 
@@ -90,7 +91,7 @@ fit({storage!r}, "lost-node", {files!r}, max_failures=1, hang_at=[7, 1], hang_ma
     node_id = read_marker(fifo, driver, "rank 1 to block at step 7")
     node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
     cluster.remove_node(node, allow_graceful=False)
-    cluster.add_node(num_cpus=1, object_store_memory=80 * MB)
+    cluster.add_node(num_cpus=1, object_store_memory=80 * MB, resources={"rank": 1})
     out, err = driver.communicate(timeout=180)
     assert driver.returncode == 0, err[-3000:]
     result = Result.from_path(os.path.join(storage, "lost-node"))
@@ -106,9 +107,9 @@ def test_another_number_of_workers_sees_each_row_once_an_epoch(cluster, files, s
     with pytest.raises(TrainingFailedError):
         fit(storage, "resized", files, kill_at=[[5, 1, 0, "raise"]])
     path = os.path.join(storage, "resized")
+    one = ScalingConfig(num_workers=1, engine="ray", resources_per_worker={"CPU": 1, "rank": 1})
     result = TorchTrainer.restore(path, datasets={"train": ray.data.read_json(files)},
-                                  scaling_config=ScalingConfig(num_workers=1, engine="ray",
-                                                               resources_per_worker={"CPU": 1})).fit()
+                                  scaling_config=one).fit()
     rows = steps(result)
     for epoch in (0, 1):
         seen = sorted(i for r in rows if r["epoch"] == epoch for rank in r["ids"] for i in rank)
