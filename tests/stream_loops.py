@@ -21,6 +21,7 @@ SHARDS, ROWS = 4, 16  # 64 rows: with 2 ranks and batches of 4, 8 steps an epoch
 # kind -> how its position is resumed from a rank's own checkpoint file
 KINDS = {
     "torchdata-map": "seek",  # StatefulDataLoader over a map-style dataset + DistributedSampler
+    "torchdata-map-workers": "seek",  # the same, with 2 DataLoader worker processes prefetching
     "torchdata-hf-buffer": "replay",  # StatefulDataLoader(num_workers=2) over HF streaming, shuffle buffer
     "hf-shards": "seek",  # DataLoader over Dataset.to_iterable_dataset(num_shards=4), split by node
     "custom": "seek",  # DataLoader over a stateful IterableDataset of our own
@@ -99,11 +100,11 @@ def make_loader(kind: str, config: dict, rank: int, world: int):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     batch = config.get("batch_size", 4)
-    if kind == "torchdata-map":
+    if kind in ("torchdata-map", "torchdata-map-workers"):
         data = Rows(_rows(config))
         sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
                                                       seed=5)
-        workers = config.get("num_workers", 0)
+        workers = 2 if kind == "torchdata-map-workers" else 0
         loader = StatefulDataLoader(data, batch_size=batch, sampler=sampler, num_workers=workers)
         return loader, sampler.set_epoch
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the data is local files; nothing to download

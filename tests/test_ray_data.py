@@ -120,3 +120,23 @@ def test_a_local_shuffle_buffer_is_refused_with_a_hint():
     shard = RayDataShard(None, 0, 1)
     with pytest.raises(UnsupportedOptionError, match="random_shuffle"):
         next(shard.iter_torch_batches(batch_size=4, local_shuffle_buffer_size=64))
+
+
+def test_the_shard_iterates_as_rays_iterator_and_reshares_the_rest_of_a_pass(cluster):
+    # Both ranks' shares of each format, in the driver; then a position taken half way through
+    # a pass on 2 ranks continues on 1 with the rows not yet consumed, each once.
+    dataset = ray.data.range(22)
+    shards = [RayDataShard(dataset, rank, 2) for rank in range(2)]
+    numpy_ids = [[b["id"].tolist() for b in s.iter_batches(batch_size=3)] for s in shards]
+    assert numpy_ids == [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19]],
+                         [[3, 4, 5], [9, 10, 11], [15, 16, 17], [20, 21]]]
+    frames = [list(s.iter_batches(batch_size=3, batch_format="pandas")) for s in shards]
+    assert [f["id"].tolist() for f in frames[1]] == numpy_ids[1]
+    assert [r["id"] for r in shards[0].iter_rows()] == list(range(0, 22, 2))
+    first, second = (s.iter_batches(batch_size=3, drop_last=True) for s in shards)
+    taken = [next(first)["id"].tolist(), next(second)["id"].tolist(),
+             next(first)["id"].tolist(), next(second)["id"].tolist()]
+    alone = RayDataShard(dataset, 0, 1)
+    alone.load_state_dict(shards[0].state_dict())
+    rest = [i for b in alone.iter_batches(batch_size=3) for i in b["id"].tolist()]
+    assert sorted(i for b in taken for i in b) + rest == list(range(22))

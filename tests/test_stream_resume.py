@@ -13,10 +13,9 @@ import random
 import pytest
 import torch
 
-from conftest import read_until, start_script
+from conftest import read_until, run_script, start_script
 from stream_loops import KINDS, make_loader, stream_loop, write_shards
 from test_exact_resume import assert_identical
-from unbroken.errors import StateMismatchError
 from unbroken.state.state_file import STATE_FILE, loader_file, rng_file
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer, TrainState
@@ -266,29 +265,43 @@ def test_a_state_that_is_not_plain_data_is_stored_as_data(tmp_path):
     assert [b.tolist() for b in again] == [[3, 4], [5, 6], [7, 8]]
 
 
-def test_data_that_changed_since_the_checkpoint_is_named_and_nothing_changes(data_dir, tmp_path):
-    config = {"data_dir": data_dir}
-    loader, _ = make_loader("hf-shards", config, 0, 2)
-    state = TrainState(loader=loader)
-    _take(loader, 2)
-    state.save(tmp_path)
-    saved = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
-    other, _ = make_loader("hf-shards", {**config, "shards": 8}, 0, 2)
-    with pytest.raises(StateMismatchError, match="num_shards was 2, is 4"):
-        TrainState(loader=other).load(tmp_path)
-    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == saved
+# Importing Hugging Face datasets starts a thread, after which this process would start every
+# later test's workers from a forkserver rather than by fork: these run in a process of their own.
+HF_IN_A_PROCESS = """
+import os, sys
+import pytest
+from stream_loops import make_loader
+from test_stream_resume import _take
+from unbroken.errors import StateMismatchError
+from unbroken.train.torch import TrainState, prepare_data_loader
+
+config, saved_in = {"data_dir": sys.argv[1]}, sys.argv[2]
+# Data that changed since the checkpoint is named, and nothing stored changes.
+loader, _ = make_loader("hf-shards", config, 0, 2)
+state = TrainState(loader=loader)
+_take(loader, 2)
+state.save(saved_in)
+saved = {name: open(os.path.join(saved_in, name), "rb").read() for name in os.listdir(saved_in)}
+other, _ = make_loader("hf-shards", {**config, "shards": 8}, 0, 2)
+with pytest.raises(StateMismatchError, match="num_shards was 2, is 4"):
+    TrainState(loader=other).load(saved_in)
+assert {name: open(os.path.join(saved_in, name), "rb").read() for name in os.listdir(saved_in)} == saved
+# prepare_data_loader keeps a stream as it is: not split a second time.
+loader, _ = make_loader("hf-shards", config, 1, 2)
+whole = _take(make_loader("hf-shards", config, 1, 2)[0])
+prepared = prepare_data_loader(loader, move_to_device=False)
+assert prepared is loader and _take(prepared) == whole
+print("OK")
+"""
 
 
-def test_prepare_data_loader_keeps_a_stream_unsplit_and_resumable(data_dir, tmp_path):
+def test_changed_data_is_named_and_prepare_data_loader_does_not_split_a_stream_again(data_dir, tmp_path):
+    assert "OK" in run_script(HF_IN_A_PROCESS, data_dir, str(tmp_path)).stdout
     from unbroken.train.torch import prepare_data_loader
 
-    config = {"data_dir": data_dir}
-    loader, _ = make_loader("hf-shards", config, 1, 2)
-    whole = _take(make_loader("hf-shards", config, 1, 2)[0])
-    prepared = prepare_data_loader(loader, move_to_device=False)
-    assert prepared is loader and _take(prepared) == whole  # not split a second time
     with pytest.raises(ValueError, match="global_batch_size"):
-        prepare_data_loader(make_loader("custom", config, 0, 2)[0], move_to_device=False, global_batch_size=8)
+        prepare_data_loader(make_loader("custom", {"data_dir": data_dir}, 0, 2)[0], move_to_device=False,
+                            global_batch_size=8)
 
 
 def test_a_shuffled_stateful_loader_resumes_without_moving_the_training_generators(tmp_path):

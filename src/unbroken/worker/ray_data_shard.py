@@ -28,11 +28,11 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from unbroken.errors import StateMismatchError, UnsupportedOptionError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from unbroken.worker.session import Session
 
 KIND = "ray_data"
@@ -68,6 +68,8 @@ def _cut(batch: dict[str, np.ndarray], start: int, stop: int) -> dict[str, np.nd
 def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     if len(parts) == 1:
         return parts[0]
+    import numpy as np
+
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -111,19 +113,21 @@ class RayDataShard:
 
     # -- passes -----------------------------------------------------------------------------
 
-    def _global_batches(self, per_rank: int, drop_last: bool) -> Iterator[dict[str, np.ndarray]]:
+    def _global_batches(self, per_rank: int, drop_last: bool, prefetch_batches: int = 1
+                        ) -> Iterator[dict[str, np.ndarray]]:
         """This rank's part of each global batch of the pass, from the current position."""
-        import ray.data
-
         if not isinstance(per_rank, int) or per_rank < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {per_rank!r}. Hint: the batch size "
                              "is per rank, as in Ray Train")
-        ray.data.DataContext.get_current().execution_options.preserve_order = True
+        # The dataset runs with the context it was built with (a copy of the driver's), not this
+        # process's current one: the order is set there.
+        self._dataset.context.execution_options.preserve_order = True
         skip = self._begin()
         size = per_rank * self.world_size
         held: list[dict[str, np.ndarray]] = []
         count = 0
-        for batch in self._dataset.iter_batches(batch_size=size, batch_format="numpy"):
+        for batch in self._dataset.iter_batches(batch_size=size, batch_format="numpy",
+                                                prefetch_batches=prefetch_batches):
             rows = _rows_in(batch)
             if skip:
                 dropped = min(skip, rows)
@@ -163,7 +167,7 @@ class RayDataShard:
         if batch_format not in ("default", "numpy", "pandas"):
             raise UnsupportedOptionError(f"iter_batches(batch_format={batch_format!r}): this shard yields "
                                          "'numpy' (also 'default') or 'pandas' batches")
-        for batch in self._global_batches(batch_size, drop_last):
+        for batch in self._global_batches(batch_size, drop_last, prefetch_batches):
             if batch_format == "pandas":
                 import pandas as pd
 
@@ -183,7 +187,7 @@ class RayDataShard:
 
         self._refuse_local_shuffle(local_shuffle_buffer_size)
         target = get_device() if device == "auto" else torch.device(device)
-        for batch in self._global_batches(batch_size, drop_last):
+        for batch in self._global_batches(batch_size, drop_last, prefetch_batches):
             if collate_fn is not None:
                 yield collate_fn(batch)
                 continue
@@ -191,6 +195,8 @@ class RayDataShard:
             for key, value in batch.items():
                 dtype = dtypes.get(key) if isinstance(dtypes, dict) else dtypes
                 if value.dtype == object:  # a column of equal-shaped lists or arrays
+                    import numpy as np
+
                     value = np.stack([np.asarray(v) for v in value])
                 out[key] = torch.tensor(value, dtype=dtype, device=target)  # copied: Ray's are read-only
             yield out

@@ -15,6 +15,10 @@ A checkpoint written by `report` (or `save`) holds, in one directory:
   with a state_dict, plus the plain extra values. Under DDP these are the same on every rank.
 - `rng_rank<r>.pt`, one per rank: that rank's generator states (python `random`, numpy's
   global RNG, torch CPU, the current CUDA device's) and any torch.Generator extras.
+- `loader_rank<r>.pt`, one per rank, for a streaming loader whose position is its rank's own
+  (torchdata's StatefulDataLoader, a stateful IterableDataset: `unbroken.state.stream_loader`):
+  that rank's library state, to seek with; the counts every rank shares are in
+  `train_state.pt`.
 
 Both load with `torch.load(..., weights_only=True)`: RNG states are stored as tensors, ints
 and tuples, never as pickled objects.
@@ -81,7 +85,10 @@ class TrainState:
     """The model, optimizer, scheduler, data loader and anything else a loop needs to resume.
 
     `model`, `optimizer`, `scheduler`, `loader`: optional; each needs `state_dict()` and
-    `load_state_dict()`. The loader is normally the one `prepare_data_loader` returns.
+    `load_state_dict()`. The loader is the one `prepare_data_loader` returns, a shard of a
+    Ray Dataset from `train.get_dataset_shard`, or a streaming loader of your own, unchanged
+    (a torchdata `StatefulDataLoader`, a DataLoader over an IterableDataset with
+    `state_dict()`), whose position is then each rank's own (`unbroken.state.stream_loader`).
     `**extra`: anything else, by name:
 
     - plain values (None, bool, int, float, str, tensors, and lists, tuples and dicts of them):
