@@ -138,7 +138,8 @@ def _model_and_optimizer(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimi
 def _train(config: dict, state: TrainState, epoch: int, batch: dict) -> None:
     """One step of the stream loops on `batch` ({"id", "x", "y"}): the optimizer step, the faults
     of `config` due at it, and the report of every rank's loss and sample ids. `hang_at`:
-    [step, attempt] at which rank 1, on Ray, writes its node's id to `hang_marker` and blocks."""
+    [step, attempt] at which rank 1, on Ray, writes its node's id to `hang_marker` and blocks;
+    `signal_at`: [step, attempt] after whose report rank 0 writes the step to `signal_marker`."""
     ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     loss = torch.nn.functional.mse_loss(state.model(batch["x"].float()), batch["y"].float().unsqueeze(1))
@@ -165,6 +166,9 @@ def _train(config: dict, state: TrainState, epoch: int, batch: dict) -> None:
             threading.Event().wait() if mode == "hang" else _die(mode, at)
     if config.get("echo") and rank == 0:
         print(f"STEP {state.step}", flush=True)
+    if config.get("signal_at") == [state.step, ctx.get_attempt()] and rank == 0:  # and goes on
+        with open(config["signal_marker"], "w") as f:
+            f.write(str(state.step))
 
 
 def stream_loop(config: dict) -> None:

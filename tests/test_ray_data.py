@@ -56,6 +56,13 @@ def fit(storage, name, files, workers=2, max_failures=0, **config):
                                              failure_config=FailureConfig(max_failures=max_failures))).fit()
 
 
+def rows_once_an_epoch(result) -> None:
+    rows = steps(result)
+    for epoch in (0, 1):
+        seen = sorted(i for r in rows if r["epoch"] == epoch for rank in r["ids"] for i in rank)
+        assert seen == list(range(64)), (epoch, seen)
+
+
 @pytest.fixture(scope="module")
 def reference(cluster, files, tmp_path_factory):
     return fit(str(tmp_path_factory.mktemp("ray-data-ref")), "reference", files)
@@ -110,10 +117,60 @@ def test_another_number_of_workers_sees_each_row_once_an_epoch(cluster, files, s
     one = ScalingConfig(num_workers=1, engine="ray", resources_per_worker={"CPU": 1, "rank": 1})
     result = TorchTrainer.restore(path, datasets={"train": ray.data.read_json(files)},
                                   scaling_config=one).fit()
-    rows = steps(result)
-    for epoch in (0, 1):
-        seen = sorted(i for r in rows if r["epoch"] == epoch for rank in r["ids"] for i in rank)
-        assert seen == list(range(64)), (epoch, seen)
+    rows_once_an_epoch(result)
+
+
+def test_a_driver_killed_and_restored_resumes_bit_for_bit(cluster, files, storage, reference, tmp_path):
+    step = kill_step("ray-data-driver")
+    marker = str(tmp_path / "reported")
+    fifo = marker_fifo(marker)
+    driver = start_script(f"""
+import ray
+from test_ray_data import fit
+ray.init(address="auto", log_to_driver=False)
+fit({storage!r}, "driver-killed", {files!r}, signal_at=[{step}, 1], signal_marker={marker!r})
+""", RAY_ADDRESS=cluster.address)
+    read_marker(fifo, driver, f"step {step} to be reported")
+    driver.kill()
+    driver.wait()
+    path = os.path.join(storage, "driver-killed")
+    result = TorchTrainer.restore(path, datasets={"train": ray.data.read_json(files)}).fit()
+    assert attempts(result)[-1]["status"] == "FINISHED"
+    assert_same_run(result, reference, f"driver SIGKILLed after step {step}")
+
+
+def test_an_elastic_run_that_loses_a_node_shrinks_and_sees_each_row_once_an_epoch(cluster, files, storage,
+                                                                                    tmp_path):
+    # num_workers=(1, 2): rank 1 blocks at step 7 and its node is removed for good; the run goes
+    # on with one rank from checkpoint 6, which cuts the rest of the pass into its own batches.
+    marker = str(tmp_path / "hung")
+    fifo = marker_fifo(marker)
+    driver = start_script(f"""
+import ray
+from stream_loops import ray_data_loop
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+ray.init(address="auto", log_to_driver=False)
+TorchTrainer(ray_data_loop, train_loop_config={{"hang_at": [7, 1], "hang_marker": {marker!r}}},
+             datasets={{"train": ray.data.read_json({files!r})}},
+             scaling_config=ScalingConfig(num_workers=(1, 2), engine="ray",
+                                          resources_per_worker={{"CPU": 1, "rank": 1}}),
+             run_config=RunConfig(name="elastic", storage_path={storage!r}, verbose=0,
+                                  failure_config=FailureConfig(max_failures=1))).fit()
+""", RAY_ADDRESS=cluster.address)
+    try:
+        node_id = read_marker(fifo, driver, "rank 1 to block at step 7")
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == node_id),
+                            allow_graceful=False)
+        out, err = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        cluster.add_node(num_cpus=1, object_store_memory=80 * MB, resources={"rank": 1})
+    assert driver.returncode == 0, err[-3000:]
+    result = Result.from_path(os.path.join(storage, "elastic"))
+    assert [a["num_workers"] for a in attempts(result)] == [2, 1], attempts(result)
+    rows_once_an_epoch(result)
 
 
 def test_a_local_shuffle_buffer_is_refused_with_a_hint():
