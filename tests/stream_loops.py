@@ -24,6 +24,7 @@ KINDS = {
     "torchdata-map-workers": "seek",  # the same, with 2 DataLoader worker processes prefetching
     "torchdata-hf-buffer": "replay",  # StatefulDataLoader(num_workers=2) over HF streaming, shuffle buffer
     "hf-shards": "seek",  # DataLoader over Dataset.to_iterable_dataset(num_shards=4), split by node
+    "hf-stream": "seek",  # DataLoader over load_dataset("json", streaming=True), split by node
     "custom": "seek",  # DataLoader over a stateful IterableDataset of our own
 }
 
@@ -120,6 +121,10 @@ def make_loader(kind: str, config: dict, rank: int, world: int):
         data = split_dataset_by_node(data.shuffle(seed=3, buffer_size=8), rank=rank, world_size=world)
         data = data.with_format("torch")
         return StatefulDataLoader(data, batch_size=batch, num_workers=2), data.set_epoch
+    if kind == "hf-stream":
+        data = datasets.load_dataset("json", data_files=_files(config), split="train", streaming=True)
+        data = split_dataset_by_node(data, rank=rank, world_size=world).with_format("torch")
+        return torch.utils.data.DataLoader(data, batch_size=batch), data.set_epoch
     if kind == "hf-shards":
         data = datasets.Dataset.from_list(_rows(config))
         data = data.to_iterable_dataset(num_shards=config.get("shards", 4))
