@@ -203,3 +203,36 @@ def test_a_trial_restarted_from_scratch_forgets_its_pauses_and_decisions(tmp_pat
     Population(storage, sched, "score", "max", 0, lambda name, with_overrides: {}).forget("trial_00001")
     assert storage.walk_files(PBT_DIR) == ["rounds/trial_00011-0001.json"], "another trial's stays"
     assert state(storage, "trial_00001", sched) == {"round": 0, "next": 2, "overrides": {}}
+
+
+FINISHED_AT_A_POINT = """
+import sys
+from tune_loops import pbt_loop
+from unbroken import tune
+from unbroken.train import RunConfig
+from unbroken.tune.schedulers import PopulationBasedTraining
+pbt = PopulationBasedTraining(perturbation_interval=2, hyperparam_mutations={"lr": [0.1, 0.2]})
+tuner = tune.Tuner(pbt_loop, param_space={"lr": 0.1, "iterations": 8},
+                   tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=pbt),
+                   run_config=RunConfig(name="finished", storage_path=sys.argv[1],
+                                        stop={"training_iteration": 4}))
+if sys.argv[2] == "restore":
+    tuner = tune.Tuner.restore(sys.argv[1] + "/finished", trainable=pbt_loop)
+grid = tuner.fit()
+print("DONE", [(r.metrics["step"], r.metrics["training_iteration"]) for r in grid])
+"""
+
+
+def test_a_trial_that_finished_at_its_own_stop_on_a_perturbation_point_is_not_run_again(tmp_path):
+    # Its run ends FINISHED at stop=4, a perturbation point; the sweep driver is killed before it
+    # records the trial. The restore must see a finished trial, not a PBT pause to decide and
+    # run past its stop (the uninterrupted sweep ends at 4).
+    killed = run_script(FINISHED_AT_A_POINT, str(tmp_path), "fit", check=False,
+                        UNBROKEN_FAULT="before_trial_record:1:kill")
+    assert killed.returncode == -9, killed.stderr
+    restored = run_script(FINISHED_AT_A_POINT, str(tmp_path), "restore")
+    assert outcome(restored.stdout) == "DONE [(4, 4)]", restored.stdout
+    rows = [json.loads(line) for line in open(os.path.join(str(tmp_path), "finished", "trial_00000",
+                                                           "result.json"))]
+    assert [r["training_iteration"] for r in rows] == [1, 2, 3, 4]
+    assert sweep_json(os.path.join(str(tmp_path), "finished"))["trials"][0]["status"] == "TERMINATED"

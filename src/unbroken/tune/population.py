@@ -155,17 +155,19 @@ class Population:
     def pending(self, trial: str) -> dict[str, Any] | None:
         return pending(self.storage, trial, self.scheduler)
 
-    def catch_up(self, trial: str) -> None:
+    def catch_up(self, trial: str, user_stop: Any = None) -> None:
         """A trial whose driver died after recording the row of its pause, before recording
         the pause itself: record it now, from that row (its checkpoint committed), so the
-        trial pauses there as it would have, rather than past it."""
+        trial pauses there as it would have, rather than past it. A row that met the trial's
+        own stop (`user_stop`) is no pause: `PBTStopper` checks that first, and the trial
+        finished there."""
         st, run = state(self.storage, trial, self.scheduler), self.storage.child(trial)
         if self.pending(trial) is not None or not mf.is_run_dir(run):
             return
         rows = history.timeline(history.read_rows(run))
         last = rows[-1] if rows else {}
         t, name = last.get(self.scheduler.time_attr), last.get("checkpoint_dir_name")
-        if not (_number(t) and t >= st["next"] and name):
+        if not (_number(t) and t >= st["next"] and name) or stop_met(user_stop, last):
             return
         try:
             commit.read_marker(run, name)

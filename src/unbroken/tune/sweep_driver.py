@@ -150,7 +150,7 @@ class SweepDriver:
                                          m.seed, self._config_of)
             for record in m.trials:
                 if record.status not in sw.DONE:
-                    self.population.catch_up(record.name)
+                    self.population.catch_up(record.name, self._user_stop())
         m.trials = [reconciled(self.storage, record, self.scheduler) for record in m.trials]
         self.ctx = SearchContext(storage=self.storage, name=m.name, space=self.space, seed=m.seed,
                                  metric=self.metric, mode=self.mode, num_samples=m.num_samples)
@@ -224,10 +224,15 @@ class SweepDriver:
             config = pbt.apply(config, self.population.overrides(name))
         return config
 
+    def _user_stop(self) -> Any:
+        """The trials' own stop condition: the sweep's RunConfig.stop, else the trainer's."""
+        base = getattr(self.trainable, "run_config", None)
+        return self.run_config.stop or (base.stop if base is not None else None)
+
     def _trainer(self, record: TrialRecord) -> Any:
         config = self._config_of(record.name)
         base = getattr(self.trainable, "run_config", None)
-        user_stop = self.run_config.stop or (base.stop if base is not None else None)
+        user_stop = self._user_stop()
         stop, url, fs = user_stop, self.storage.url(), self.run_config.storage_filesystem
         if self.population is not None:
             stop = PBTStopper(record.name, url, fs, self.population.scheduler, self.metric, user_stop)
