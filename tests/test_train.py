@@ -241,6 +241,9 @@ def test_result_from_path_reads_a_finished_run(storage):
     assert again.metrics == result.metrics
     assert again.checkpoint == result.checkpoint
     assert list(again.metrics_dataframe["training_iteration"]) == [1, 2, 3]
+    import pathlib
+
+    assert Result.from_path(pathlib.Path(result.path)).metrics == result.metrics  # a PathLike, as in Ray
 
 
 def test_ray_engine_without_ray_installed_is_refused_before_anything_is_written(storage, monkeypatch):

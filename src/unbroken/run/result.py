@@ -101,8 +101,9 @@ class Result:
         return Storage.from_url(self.path, self._filesystem).url()
 
     @classmethod
-    def from_path(cls, path: str, storage_filesystem: Any = None) -> Result:
+    def from_path(cls, path: str | os.PathLike, storage_filesystem: Any = None) -> Result:
         """Read any run directory: metrics each iteration once, latest committed checkpoint."""
+        path = os.fspath(path)
         storage = Storage.from_url(path, storage_filesystem)
         try:
             manifest = mf.load(storage)
