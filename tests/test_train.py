@@ -243,7 +243,11 @@ def test_result_from_path_reads_a_finished_run(storage):
     assert list(again.metrics_dataframe["training_iteration"]) == [1, 2, 3]
     import pathlib
 
+    from unbroken.errors import RunNotFoundError
+
     assert Result.from_path(pathlib.Path(result.path)).metrics == result.metrics  # a PathLike, as in Ray
+    with pytest.raises(RunNotFoundError):  # not a TypeError from the hint's check of the path
+        Result.from_path(pathlib.Path("no-such-run"))
 
 
 def test_ray_engine_without_ray_installed_is_refused_before_anything_is_written(storage, monkeypatch):
