@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 from typing import Any
 
 import cloudpickle
@@ -23,8 +24,9 @@ _received: dict[str, Any] = {}  # this process's datasets, by token
 
 
 def is_ray_dataset(obj: Any) -> bool:
-    """True for a `ray.data.Dataset` (checked without importing ray)."""
-    return any(c.__name__ == "Dataset" and c.__module__.startswith("ray.data") for c in type(obj).__mro__)
+    """True for a `ray.data.Dataset` (without importing ray: none exists until it is imported)."""
+    data = sys.modules.get("ray.data")
+    return data is not None and isinstance(obj, data.Dataset)
 
 
 class _Pickler(cloudpickle.CloudPickler):

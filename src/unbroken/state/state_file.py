@@ -17,6 +17,7 @@ sessions: ranks, directories and generators are passed in.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections import OrderedDict
@@ -31,6 +32,8 @@ try:
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy is optional
     _np = None
+
+logger = logging.getLogger("unbroken")
 
 FORMAT_VERSION = 1
 # train_state.pt of a checkpoint whose model and optimizer were saved sharded (an older
@@ -89,6 +92,25 @@ def plain_problem(value: Any, where: str, scalars: tuple[type, ...] = PLAIN_SCAL
                 return problem
         return None
     return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def compare_names(kind: str, declared: Mapping[str, Any], saved: Mapping[str, Any], strict: bool,
+                  directory: str) -> None:
+    """Check that a checkpoint holds the same `kind`s (objects, values, generators) by name as
+    the TrainState loading it: with `strict`, a difference raises StateMismatchError listing
+    both sides; without, it is logged and the rest loads."""
+    missing = sorted(set(declared) - set(saved))
+    unknown = sorted(set(saved) - set(declared))
+    if not (missing or unknown):
+        return
+    message = (f"the checkpoint {directory} does not hold the same {kind}s as this TrainState: "
+               + "; ".join(part for part in (
+                   f"not in the checkpoint: {missing}" if missing else "",
+                   f"not in this TrainState: {unknown}" if unknown else "") if part))
+    if strict:
+        raise StateMismatchError(message + ". Hint: build the TrainState with the same names the "
+                                 "run saved, or call restore(strict=False) to load what matches")
+    logger.warning("%s; loading the rest (strict=False)", message)
 
 
 def build_payload(state_dicts: dict[str, Any], values: dict[str, Any], world_size: int,

@@ -178,15 +178,14 @@ class StreamLoader:
     """The position of one rank's stream loader, for TrainState: `state_dict()` holds the
     counts (the same on every rank), `seek_state()` this rank's library state."""
 
-    def __init__(self, loader: DataLoader, world_size: int,
-                 move: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, loader: DataLoader, world_size: int) -> None:
         self.loader = loader
         self.kind = kind_of(loader)
         if self.kind is None:
             raise TypeError(f"{type(loader).__name__} is not a stream loader")
         self.replay_reason = replay_reason(loader, self.kind)
         self.position = StreamPosition(world_size)
-        self.move = move
+        self.move: Callable[[Any], Any] | None = None  # to the device (prepare_data_loader sets it)
         self._seek: Any = None
         self._unstorable_logged = False
         self._generator = None
@@ -214,13 +213,13 @@ class StreamLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The counts of this rank's position (the same on every rank), and what the data was."""
-        return {**self.position.state_dict(), "data": self._data()}
+        return {**self.position.state_dict(), "data": dict(self._data)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from saved counts, by replay unless `use_seek` is given this rank's state.
         Refused, with nothing changed, when the data is not what the counts were taken over."""
         name = f"the loader ({type(self.loader).__name__} over {type(self.loader.dataset).__name__})"
-        saved, now = state.get("data", {}) if isinstance(state, dict) else {}, self._data()
+        saved, now = state.get("data", {}) if isinstance(state, dict) else {}, self._data
         changed = [f"{key} was {saved[key]!r}, is {now.get(key)!r}"
                    for key in saved if saved[key] != now.get(key)]
         if changed and state.get("world_size") == self.position.world_size:  # else the next line says why
@@ -231,9 +230,11 @@ class StreamLoader:
         self.position.load_state_dict(state, name)
         self._seek = None
 
+    @functools.cached_property
     def _data(self) -> dict[str, Any]:
         """What identifies the data the position counts through: the dataset's kind, and its
-        number of shards (Hugging Face) or of samples (map-style)."""
+        number of shards (Hugging Face) or of samples (map-style). Once: a just-in-time
+        checkpoint copies the state at every report."""
         dataset = self.loader.dataset
         out: dict[str, Any] = {"dataset": type(dataset).__name__}
         shards = getattr(dataset, "num_shards", None) if _is_hf(dataset) else None

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Literal
 
 import torch
@@ -45,6 +45,7 @@ from unbroken.state.state_file import (
     STATE_FILE,
     build_payload,
     capture_rng,
+    compare_names,
     loader_file,
     plain_problem,
     read_payload,
@@ -410,7 +411,7 @@ class TrainState:
         # Last, so that nothing done while loading draws from the restored generators.
         rng = torch.load(rng_path, weights_only=True, map_location="cpu")
         generators = rng.pop("generators", {})
-        self._compare("generator", self._generators, generators, strict, directory)
+        compare_names("generator", self._generators, generators, strict, directory)
         for name, g in self._generators.items():
             if name in generators:
                 g.set_state(generators[name])
@@ -422,9 +423,9 @@ class TrainState:
         state_dicts: dict[str, Any] = payload["state_dicts"]
         values: dict[str, Any] = payload["values"]
         sharded = payload.get("sharded") or {"names": []}
-        self._compare("object", self._objects, {**state_dicts, **dict.fromkeys(sharded["names"])}, strict,
+        compare_names("object", self._objects, {**state_dicts, **dict.fromkeys(sharded["names"])}, strict,
                       directory)
-        self._compare("value", self._values, values, strict, directory)
+        compare_names("value", self._values, values, strict, directory)
         if "model" in state_dicts and self.sharded_names():
             raise StateMismatchError(
                 f"the checkpoint {directory} holds a whole (unsharded) model, saved from rank 0, "
@@ -449,22 +450,6 @@ class TrainState:
 
         optimizer = self._objects.get("optimizer") if "optimizer" in names else None
         sharded_mod.load_saved_by(saved_torch, shards, unwrap(self._objects["model"]), optimizer)
-
-    @staticmethod
-    def _compare(kind: str, declared: Mapping[str, Any], saved: Mapping[str, Any], strict: bool,
-                 directory: str) -> None:
-        missing = sorted(set(declared) - set(saved))
-        unknown = sorted(set(saved) - set(declared))
-        if not (missing or unknown):
-            return
-        message = (f"the checkpoint {directory} does not hold the same {kind}s as this TrainState: "
-                   + "; ".join(part for part in (
-                       f"not in the checkpoint: {missing}" if missing else "",
-                       f"not in this TrainState: {unknown}" if unknown else "") if part))
-        if strict:
-            raise StateMismatchError(message + ". Hint: build the TrainState with the same names the "
-                                     "run saved, or call restore(strict=False) to load what matches")
-        logger.warning("%s; loading the rest (strict=False)", message)
 
 
 def _next_staging() -> str | None:
