@@ -210,8 +210,7 @@ def test_plot_writes_a_png_with_the_chosen_metrics(results, tmp_path):
     out = cli("plot", run_path(results, "finished"), "--metric", "accuracy")
     assert out.returncode == 2
     assert out.stderr.splitlines() == ["unbroken: error: run 'finished' has no metric 'accuracy'.",
-                                       "hint: choose from loss, acc, time_total_s, time_this_iter_s, "
-                                       "time_checkpoint_s"]
+                                       "hint: choose from loss, acc, time_total_s, time_this_iter_s"]
 
     # --goodput: the time as coloured bands under the rows; the productive green is drawn.
     png = str(tmp_path / "finished-goodput.png")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import run_json
 from goodput_loops import paced_loop, timed_loop
 from unbroken.run import checkpoint_advice
 from unbroken.run import goodput as gp
@@ -25,6 +26,12 @@ def row(attempt: int, iteration: int, t: float, took: float, stall: float | None
     if stall is not None:
         out["time_checkpoint_s"] = stall
     return out
+
+
+def saved_stalls(path: str) -> dict[tuple[int, int], float]:
+    """{(attempt, iteration): seconds} of each save the run's attempts recorded."""
+    return {(a["number"], int(i)): s for a in run_json(path)["attempts"]
+            for i, s in (a.get("checkpoint_stalls") or {}).items()}
 
 
 def test_a_failed_and_restarted_fit_is_cut_into_each_kind_exactly():
@@ -49,6 +56,11 @@ def test_a_failed_and_restarted_fit_is_cut_into_each_kind_exactly():
     segments = time_spent.segments
     assert all(a.end == pytest.approx(b.start) for a, b in zip(segments, segments[1:], strict=False)), \
         "the segments tile the wall time, in order"
+
+    # Today's runs keep the stall in their attempt, not in the row: the same breakdown.
+    attempts[0]["checkpoint_stalls"] = {"4": 0.25}
+    rows[3] = row(1, 4, 106.5, 1.0)
+    assert gp.of_run(attempts, rows).seconds == pytest.approx(time_spent.seconds)
 
 
 def test_a_killed_driver_s_attempt_ends_at_its_last_row_and_the_time_without_a_driver_is_apart():
@@ -102,7 +114,11 @@ def test_a_real_run_s_breakdown_matches_the_injected_steps_saves_and_failure(tmp
     assert spent.goodput == pytest.approx(seconds[gp.PRODUCTIVE] / spent.wall_s)
     checkpoints = [r for r in result.rows if r.get("checkpoint_dir_name")]
     assert [r["training_iteration"] for r in checkpoints] == [4, 8, 12]
-    assert all(SAVE_S <= r["time_checkpoint_s"] < SAVE_S + 0.2 for r in checkpoints), checkpoints
+    stalls = saved_stalls(result.path)
+    assert sorted(stalls) == [(1, 4), (2, 8), (2, 12)], stalls
+    assert all(SAVE_S <= s < SAVE_S + 0.2 for s in stalls.values()), stalls
+    assert not any("time_checkpoint_s" in r for r in result.rows), "the rows hold what the loop reported"
+    assert "time_checkpoint_s" not in result.metrics and "time_checkpoint_s" not in result.checkpoints[-1][1]
 
 
 def test_checkpoint_auto_saves_at_the_young_daly_interval_and_show_advises_it(tmp_path):
@@ -116,11 +132,14 @@ def test_checkpoint_auto_saves_at_the_young_daly_interval_and_show_advises_it(tm
     rows = result.rows
     saves = [i for i, r in enumerate(rows) if r.get("checkpoint_dir_name")]
     assert saves[0] == 1, "the report after the first one saves, to measure a save"
-    cost = statistics.median(rows[i]["time_checkpoint_s"] for i in saves)
+    stalls = {i: s for (_, i), s in saved_stalls(result.path).items()}
+    assert sorted(stalls) == [rows[i]["training_iteration"] for i in saves]
+    cost = statistics.median(stalls.values())
     interval = checkpoint_advice.young_interval(cost, 2.0)
     assert 0.85 <= interval <= 1.2
     for a, b in zip(saves, saves[1:], strict=False):
-        trained = sum(r["time_this_iter_s"] - r.get("time_checkpoint_s", 0.0) for r in rows[a + 1:b + 1])
+        trained = sum(r["time_this_iter_s"] - stalls.get(r["training_iteration"], 0.0)
+                      for r in rows[a + 1:b + 1])
         assert interval - 0.1 <= trained <= interval + 0.25, (a, b, trained, interval)
     assert len(saves) >= 3
 

@@ -32,9 +32,9 @@ class Cadence:
 
     def due(self, row: dict[str, Any], saved: bool, attempts: list[Any], now: float) -> bool:
         """Round `row` is recorded (`saved`: it carried a checkpoint); `attempts`: the run's
-        (with `status`, `started_at`, `ended_at`). Whether the ranks should save at their
-        next report."""
-        stall = row.get("time_checkpoint_s")
+        (with `status`, `started_at`, `ended_at`, and the last one's `stall_s`). Whether the
+        ranks should save at their next report."""
+        stall = attempts[-1].stall_s(row.get("training_iteration")) if saved else None
         took = max(0.0, float(row.get("time_this_iter_s") or 0.0) - float(stall or 0.0))
         if saved:
             if stall is not None:

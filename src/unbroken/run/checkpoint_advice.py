@@ -71,6 +71,7 @@ def advise(attempts: list[dict[str, Any]], rows: list[dict[str, Any]], time: gp.
            mtbf_s: float | None = None) -> Advice | None:
     """The advice for a run (its attempts and rows, and where its time went), or None before
     it saved a checkpoint with its cost measured."""
+    rows = gp.with_stalls(attempts, rows)
     saves = [r for r in rows if r.get("time_checkpoint_s") is not None]
     if not saves:
         return None

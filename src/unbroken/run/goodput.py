@@ -10,9 +10,10 @@ terms, defined for users in docs/guarantees.md ("Where the time went"):
   running: reported apart (`between_fits_s`), not in the wall time.
 - **productive**: the iterations the run's history keeps (each iteration once), less the
   time their report was blocked saving.
-- **checkpoint**: the time report calls were blocked saving (`time_checkpoint_s`: the
-  slowest rank's, from the start of TrainState's save, or of `train.report`'s staging, to
-  the report's send; an asynchronous save counts its snapshot).
+- **checkpoint**: the time report calls were blocked saving (an attempt's `checkpoint_stalls`;
+  `time_checkpoint_s` in the rows of older runs): the slowest rank's, from the start of
+  TrainState's save, or of `train.report`'s staging, to the report's send; an asynchronous
+  save counts its snapshot.
 - **startup**: from fit() to the first iteration's start.
 - **recovery**: from a failed (or resized) attempt's last row to the next attempt's first
   iteration's start: the lost partial iteration, detection, the just-in-time save, teardown,
@@ -115,8 +116,20 @@ def of_storage(storage: Storage) -> Goodput:
     return of_run([dataclasses.asdict(a) for a in manifest.attempts], history.read_rows(storage))
 
 
+def with_stalls(attempts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows`, each that saved a checkpoint carrying its stall as `time_checkpoint_s` (from its
+    attempt's `checkpoint_stalls`; rows of older runs carry it already)."""
+    stalls = {a["number"]: a.get("checkpoint_stalls") for a in attempts}
+    out = []
+    for r in rows:
+        stall = mf.checkpoint_stall(stalls.get(r.get("attempt")), r.get("training_iteration"))
+        out.append(r if stall is None else {**r, "time_checkpoint_s": stall})
+    return out
+
+
 def of_run(attempts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Goodput:
     """The breakdown of a run from its attempts (run.json's, as dicts) and every row it wrote."""
+    rows = with_stalls(attempts, rows)
     kept = {id(r) for r in history.timeline(rows)}
     own: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:

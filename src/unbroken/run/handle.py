@@ -127,8 +127,8 @@ class Run:
                save_s: float | None = None, forward_s: dict[int, float | None] | None = None) -> dict:
         """Append the row for one report round (rank 0's metrics plus the run's counters);
         `save_s`: for a round that saved a checkpoint, the longest any rank's loop was blocked
-        saving it (`time_checkpoint_s`). `forward_s`: each rank's forward seconds since its
-        previous report; a rank consistently slower than the others is named in the row
+        saving it, kept in the attempt's `checkpoint_stalls`. `forward_s`: each rank's forward
+        seconds since its previous report; a rank consistently slower than the others is named in the row
         (`straggler_rank`, `straggler_ratio`) and the attempt (`Attempt.forward_s`)."""
         assert self.attempt is not None
         now = time.monotonic()
@@ -140,7 +140,9 @@ class Run:
                    time_this_iter_s=now - self._last_report_t, timestamp=time.time(),
                    attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
         if save_s is not None:
-            row["time_checkpoint_s"] = save_s
+            if self.attempt.checkpoint_stalls is None:
+                self.attempt.checkpoint_stalls = {}
+            self.attempt.checkpoint_stalls[str(iteration)] = save_s
         if forward_s:
             self._stragglers.add(forward_s)
             summary = self._stragglers.summary()

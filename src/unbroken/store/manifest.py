@@ -42,7 +42,7 @@ RESIZED = "RESIZED"  # an attempt of an elastic run that stopped at a checkpoint
 PBT_LINEAGE = f"{META_DIR}/pbt.json"
 # Attempt fields left out of run.json while None, so that runs without them read as before.
 OPTIONAL_FIELDS = ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at", "hang",
-                   "forward_s")
+                   "forward_s", "checkpoint_stalls")
 
 
 @dataclass
@@ -87,10 +87,24 @@ class Attempt:
     # {"median_s": [0.021, 0.043], "straggler": {"rank": 1, "ratio": 2.05}}. Only in run.json
     # when measured (models wrapped by prepare_model in a run of 2 workers or more).
     forward_s: dict[str, Any] | None = None
+    # Each round of this attempt that saved a checkpoint: its training_iteration (as a string)
+    # and the longest any rank's loop was blocked saving it, in seconds (goodput's checkpoint
+    # stall, the cost `checkpoint="auto"` weighs). Kept here, not in the metric rows, which
+    # hold what the loop reported. Only in run.json when there is one.
+    checkpoint_stalls: dict[str, float] | None = None
+
+    def stall_s(self, iteration: Any) -> float | None:
+        """The checkpoint stall of round `iteration` of this attempt (None: it saved none)."""
+        return checkpoint_stall(self.checkpoint_stalls, iteration)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Attempt:
         return cls(**known_fields(cls, raw))
+
+
+def checkpoint_stall(stalls: dict[str, float] | None, iteration: Any) -> float | None:
+    """The stall recorded in an attempt's `checkpoint_stalls` for round `iteration`, if any."""
+    return None if not stalls else stalls.get(str(iteration))
 
 
 def config_change_lines(change: dict[str, dict[str, Any]]) -> list[str]:
