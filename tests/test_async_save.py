@@ -234,3 +234,26 @@ def test_pending_commits_keep_rounds_in_order_and_take_early_files():
     saves.round(PendingCommit(5, None, {}, [{"it": 5}], waiting=set()))
     saves.close()
     assert seen[3:] == [(4, None), (5, None)]
+
+
+def test_checkpoints_rank_in_report_order_whatever_order_they_commit_in(tmp_path):
+    """An asynchronous checkpoint 1 that commits after a synchronous checkpoint 2: without a
+    score attribute Ray ranks by report, so 2 is the latest and the first of `best()`, and a
+    restored Result lists 2 last."""
+    from unbroken.core.config import CheckpointConfig as Config
+    from unbroken.store import commit
+    from unbroken.store.checkpoint_manager import CheckpointManager
+    from unbroken.store.storage import Storage
+
+    storage = Storage.from_url(str(tmp_path / "run"))
+    manager = CheckpointManager(storage, Config())
+    for iteration in (2, 1):
+        local = tmp_path / f"local{iteration}"
+        local.mkdir()
+        (local / "w.bin").write_bytes(b"weights %d" % iteration)
+        files = commit.write_rank_files(storage, commit.staging_name(iteration, 1, storage), str(local), 0)
+        manager.commit(iteration, 1, [files], {"training_iteration": iteration})
+    assert [m.iteration for m in manager.committed] == [1, 2]
+    assert manager.latest.iteration == 2
+    assert [m.iteration for m in manager.best()] == [2, 1]
+    assert manager.recover().iteration == 2, "a restore resumes from the same one"

@@ -4,6 +4,7 @@ itself is in `commit`; a validation's record in `validation_record`."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from typing import Any
@@ -24,7 +25,7 @@ class CheckpointManager:
     def __init__(self, storage: Storage, config: CheckpointConfig) -> None:
         self.storage = storage
         self.config = config
-        self.committed: list[Marker] = []
+        self.committed: list[Marker] = []  # in report (iteration) order
         self.validations: dict[str, ValidationRecord] = {}  # by checkpoint name, once ended
 
     def recover(self, full_verify: bool | None = None) -> Marker | None:
@@ -102,7 +103,8 @@ class CheckpointManager:
         if validation is not None:
             validation_record.remove(self.storage, marker.name)  # an earlier checkpoint's of that name
         commit.commit(self.storage, commit.staging_name(iteration, attempt, self.storage, name), marker)
-        self.committed.append(marker)
+        # In report order: an asynchronous save may commit after a later synchronous one.
+        bisect.insort(self.committed, marker, key=lambda m: m.iteration)
         self.retain()
         return marker
 
@@ -133,7 +135,8 @@ class CheckpointManager:
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def best(self) -> list[Marker]:
-        """Committed checkpoints, best first by the score attribute (newest first without one)."""
+        """Committed checkpoints, best first by the score attribute (the latest reported first
+        without one, as Ray orders them, whatever order they committed in)."""
         if not self.config.checkpoint_score_attribute:
             return list(reversed(self.committed))
         sign = 1 if self.config.checkpoint_score_order == "max" else -1
