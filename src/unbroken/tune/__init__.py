@@ -3,7 +3,8 @@
 Driver side: `Tuner(trainable, param_space=..., tune_config=TuneConfig(...),
 run_config=RunConfig(...)).fit() -> ResultGrid`, `Tuner.restore(path, trainable, ...)`,
 `Tuner.can_restore(path)`, and the search space: `grid_search`, `choice`, `uniform`,
-`quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `randn`; and
+`quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `qlograndint`,
+`randn`, `qrandn`, `sample_from`; and
 what a function trainable is given besides its config: `with_parameters`, `with_resources`;
 `Trainable`, Ray Tune's class API.
 Search algorithms are in `unbroken.tune.search`, schedulers in `unbroken.tune.schedulers`.
@@ -33,11 +34,14 @@ from unbroken.tune.search_space import (
     grid_search,
     lograndint,
     loguniform,
+    qlograndint,
     qloguniform,
     qrandint,
+    qrandn,
     quniform,
     randint,
     randn,
+    sample_from,
     uniform,
 )
 from unbroken.tune.trainable import Trainable
@@ -47,7 +51,7 @@ from unbroken.tune.tuner import Tuner
 __all__ = [
     "Checkpoint", "CheckpointConfig", "FailureConfig", "ResultGrid", "RunConfig", "Trainable", "TrialResult",
     "TuneConfig", "Tuner",
-    "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qrandint", "quniform", "randint",
-    "randn", "uniform", "with_parameters", "with_resources",
+    "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qlograndint", "qrandint", "qrandn",
+    "quniform", "randint", "randn", "sample_from", "uniform", "with_parameters", "with_resources",
     "get_checkpoint", "get_context", "report",
 ]
