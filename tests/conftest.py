@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -130,3 +131,28 @@ def faulty_proxy(s3_endpoint):
     yield f"http://127.0.0.1:{port}", refuse
     proc.stdin.close()
     proc.wait(timeout=30)
+
+
+# -- driving a sweep driver from a test ----------------------------------------------------------
+def read_until_all(proc, needles):
+    """Read a driver's stdout until every needle has appeared (in any order)."""
+    lines, missing = [], set(needles)
+    for line in proc.stdout:
+        lines.append(line)
+        missing = {n for n in missing if not any(n in seen for seen in lines)}
+        if not missing:
+            return lines
+    raise AssertionError(f"driver ended before printing {sorted(missing)}:\n{''.join(lines)}\n"
+                         f"{proc.stderr.read()}")
+
+
+def kill_and_reap(proc):
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def fifo(block_dir, trial):
+    os.makedirs(block_dir, exist_ok=True)
+    os.mkfifo(os.path.join(block_dir, trial))

@@ -11,7 +11,17 @@ import sys
 
 import pytest
 
-from conftest import attempts, run_json, run_script, start_script, statuses, sweep_json
+from conftest import (
+    attempts,
+    fifo,
+    kill_and_reap,
+    read_until_all,
+    run_json,
+    run_script,
+    start_script,
+    statuses,
+    sweep_json,
+)
 from tune_loops import ACTIVE_ENV, BLOCK_ENV, asha_loop, max_running, must_not_run, tune_loop, write_config
 from unbroken import cli, tune
 from unbroken.cli import inspection
@@ -48,30 +58,6 @@ def summary(grid):
     return [(r.trial_name, r.trial_status, r.config, r.stopped_early,
              [{k: v for k, v in row.items() if k not in VOLATILE} for row in r.rows])
             for r in grid]
-
-
-def read_until_all(proc, needles):
-    """Read a driver's stdout until every needle has appeared (in any order)."""
-    lines, missing = [], set(needles)
-    for line in proc.stdout:
-        lines.append(line)
-        missing = {n for n in missing if not any(n in seen for seen in lines)}
-        if not missing:
-            return lines
-    raise AssertionError(f"driver ended before printing {sorted(missing)}:\n{''.join(lines)}\n"
-                         f"{proc.stderr.read()}")
-
-
-def kill_and_reap(proc):
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
-
-
-def fifo(block_dir, trial):
-    os.makedirs(block_dir, exist_ok=True)
-    os.mkfifo(os.path.join(block_dir, trial))
 
 
 def clear_dir(d):

@@ -3,12 +3,20 @@ stoppers, callbacks, and Tune's stopping and checkpoint semantics."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import pickle
+
 import numpy as np
 import pytest
 
+from conftest import attempts, fifo, kill_and_reap, read_until, run_script, start_script, statuses, sweep_json
+from tune_loops import BLOCK_ENV, tune_loop
 from unbroken import tune
 from unbroken.errors import SearchSpaceError
+from unbroken.train import RunConfig
 from unbroken.tune import search_space as ss
+from unbroken.tune import stopper
 
 
 def test_every_tune_search_space_function_samples_reproducibly_within_its_bounds():
@@ -45,3 +53,125 @@ def test_a_sample_from_that_returns_what_a_sweep_cannot_record_is_refused_with_a
         tune.sample_from(3)
     with pytest.raises(SearchSpaceError, match="q must be > 0"):
         tune.qrandn(0, 1, 0)
+
+
+# -- stoppers -----------------------------------------------------------------------------------
+
+def test_stoppers_decide_as_ray_s_do():
+    rows = [{"score": s} for s in (1.0, 2.0, 3.0, 3.0, 3.0, 3.0, 3.0)]
+    most = stopper.MaximumIterationStopper(3)
+    assert [most("t", r) for r in rows[:3]] == [False, False, True] and not most("u", rows[0])
+    plateau = stopper.TrialPlateauStopper("score", std=0.01, num_results=4, grace_period=4)
+    assert [plateau("t", r) for r in rows] == [False] * 5 + [True, True], "the last 4 values are equal at 6"
+    high = stopper.TrialPlateauStopper("score", num_results=2, grace_period=2, metric_threshold=5, mode="max")
+    assert not any(high("t", r) for r in rows), "a plateau below the threshold goes on"
+    experiment = stopper.ExperimentPlateauStopper("score", top=3, mode="max", patience=2)
+    said = []
+    for trial, r in zip("abcabca", rows, strict=True):
+        assert not experiment(trial, r), "it decides for the sweep only"
+        said.append(experiment.stop_all())
+    assert said == [False] * 5 + [True, True], "top 3 equal from row 5, for 2 rows"
+    both = stopper.CombinedStopper(stopper.MaximumIterationStopper(2), stopper.FunctionStopper(
+        lambda trial_id, result: result["score"] >= 2))
+    assert [both("t", r) for r in rows[:2]] == [False, True] and not both.stop_all()
+    timeout = stopper.TimeoutStopper(datetime.timedelta(seconds=30))
+    assert not timeout.stop_all()
+    timeout.resume_clock(29.999)
+    copy = pickle.loads(pickle.dumps(timeout))
+    assert copy.budget_s == 30
+    with pytest.raises(ValueError, match="mode"):
+        stopper.TrialPlateauStopper("score", metric_threshold=1)
+    with pytest.raises(ValueError, match="positive"):
+        stopper.TimeoutStopper(0)
+    with pytest.raises(ValueError, match="time_budget_s"):
+        tune.TuneConfig(time_budget_s=-1)
+
+
+STOPPED_SWEEP = """
+import sys
+from tune_loops import tune_loop
+from unbroken import tune
+from unbroken.train import CheckpointConfig, RunConfig
+from unbroken.tune import stopper
+
+def stop_at_score(trial_id, result):  # Tune's form: called with the trial's id
+    return trial_id.endswith("_00002") and result["score"] >= 8
+
+space = {"x": tune.grid_search([1, 2, 3]), "cap": 3, "iterations": 20, "block_it": 5}
+combined = stopper.CombinedStopper(
+    stopper.TrialPlateauStopper("score", std=0.01, num_results=4, grace_period=4),
+    stopper.FunctionStopper(stop_at_score))
+grid = tune.Tuner(tune_loop, param_space=space,
+                  tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=1),
+                  run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1], stop=combined)).fit()
+print("DONE", [(r.trial_name, r.metrics["it"]) for r in grid])
+"""
+
+
+def test_a_stopper_decides_each_trial_at_the_same_row_after_a_killed_driver(storage, tmp_path):
+    """TrialPlateauStopper stops each trial when its last 4 scores are equal (iteration 6, the
+    cap at 3); trial 2's stop function stops it at score 8 first (iteration 3). The driver is
+    SIGKILLed while trial 1 blocks at iteration 5: its restored stopper is rebuilt from the
+    trial's rows 1-5, so it stops at 6, not at 9 (4 more rows after the restore)."""
+    block = str(tmp_path / "block")
+    fifo(block, "trial_00001")
+    driver = start_script(STOPPED_SWEEP, storage, "killed", **{BLOCK_ENV: block})
+    read_until(driver, "trial_00001 BLOCKING")
+    kill_and_reap(driver)
+    path = os.path.join(storage, "killed")
+    assert statuses(path) == {"trial_00000": "TERMINATED", "trial_00001": "RUNNING", "trial_00002": "PENDING"}
+    os.remove(os.path.join(block, "trial_00001"))
+    out = run_script(STOPPED_SWEEP, storage, "killed").stdout
+    expected = "DONE [('trial_00000', 6), ('trial_00001', 6), ('trial_00002', 3)]"
+    assert expected in out, out
+    assert expected in run_script(STOPPED_SWEEP, storage, "uninterrupted").stdout
+    grid = tune.Tuner.restore(path, tune_loop).get_results()
+    for result in grid:
+        its = [r["training_iteration"] for r in result.rows]
+        assert its == list(range(1, len(its) + 1)), "each iteration once"
+    assert attempts(grid[1].path) == ["ABORTED", "FINISHED"]
+
+
+def test_the_time_budget_ends_the_sweep_and_a_restore_runs_nothing_more(storage):
+    """time_budget_s=1.5 with trials of 10 s: trial 0 stops at a report soon after the budget,
+    as TERMINATED, trial 1 never starts, and the sweep is FINISHED with the reason recorded."""
+    space = {"x": tune.grid_search([1, 2]), "iterations": 200, "step_s": 0.05}
+    tuner = tune.Tuner(tune_loop, param_space=space,
+                       tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=1,
+                                                   time_budget_s=1.5),
+                       run_config=RunConfig(name="budget", storage_path=storage, verbose=0))
+    grid = tuner.fit()
+    path = os.path.join(storage, "budget")
+    manifest = sweep_json(path)
+    assert manifest["status"] == "FINISHED" and manifest["stopped"]["reason"] == "time_budget_s=1.5"
+    assert 1.5 <= manifest["running_s"] < 5
+    [trial0] = [r for r in grid if r.trial_name == "trial_00000"]
+    assert trial0.trial_status == "TERMINATED" and 10 <= trial0.metrics["it"] < 200 * 0.5
+    assert statuses(path)["trial_00001"] == "PENDING"
+    assert not os.path.exists(os.path.join(path, "trial_00001"))
+    again = tune.Tuner.restore(path, tune_loop).fit()
+    assert statuses(path)["trial_00001"] == "PENDING", "a restore of an ended sweep runs nothing"
+    assert [r.metrics["it"] for r in again if r.metrics] == [trial0.metrics["it"]]
+
+
+def test_an_experiment_plateau_ends_the_sweep(storage):
+    """ExperimentPlateauStopper(top=2): the sweep driver sees trial 0's first two equal scores
+    (cap=1) and ends the sweep; trial 0 stops at a report soon after, trial 1 never starts."""
+    space = {"x": tune.grid_search([1, 2]), "cap": 1, "iterations": 200, "step_s": 0.02}
+    grid = tune.Tuner(tune_loop, param_space=space,
+                      tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=1),
+                      run_config=RunConfig(name="plateau", storage_path=storage, verbose=0,
+                                           stop=stopper.ExperimentPlateauStopper("score", top=2))).fit()
+    path = os.path.join(storage, "plateau")
+    assert sweep_json(path)["stopped"]["reason"] == "ExperimentPlateauStopper.stop_all()"
+    assert statuses(path) == {"trial_00000": "TERMINATED", "trial_00001": "PENDING"}
+    assert 2 <= grid[0].metrics["it"] < 200
+
+
+def test_a_stop_function_of_the_trial_id_and_the_result_is_called_as_tune_calls_it(storage):
+    def stop(trial_id, result):
+        return trial_id.endswith("_00000") and result["it"] >= 2
+
+    grid = tune.Tuner(tune_loop, param_space={"iterations": 5},
+                      run_config=RunConfig(name="fn", storage_path=storage, verbose=0, stop=stop)).fit()
+    assert grid[0].metrics["it"] == 2 and grid[0].trial_status == "TERMINATED"

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import tempfile
+import time
 
 from unbroken import tune
 from unbroken.train import Callback, Checkpoint
@@ -22,7 +23,8 @@ def tune_loop(config: dict) -> None:
 
     Knobs in the config: fail_x=v raises at iteration 2 in attempt 1 of trials with x == v;
     fail_once=path raises at iteration 2 unless `path` exists (and creates it); echo prints
-    "<trial> REPORTED it". Knobs in the environment, so that the configs stay the same:
+    "<trial> REPORTED it"; cap=c reports x * min(it, c) + y (a plateau from c on); step_s=s
+    makes each iteration take s seconds of work. Knobs in the environment, so that the configs stay the same:
     $TUNE_TEST_BLOCK_DIR: a trial whose name is a FIFO there prints "<trial> BLOCKING" after
     the report of iteration `block_it` (default 2) and blocks reading it;
     $TUNE_TEST_ACTIVE_DIR: each running trial keeps a file there, and the number of them at
@@ -47,7 +49,9 @@ def tune_loop(config: dict) -> None:
             if config.get("fail_once") and it == 2 and not os.path.exists(config["fail_once"]):
                 open(config["fail_once"], "w").close()
                 raise RuntimeError(f"injected one-time failure in {trial} at iteration {it}")
-            metrics = {"score": x * it + y, "it": it}
+            if config.get("step_s"):
+                time.sleep(config["step_s"])  # the iteration's work
+            metrics = {"score": x * min(it, config.get("cap", it)) + y, "it": it}
             if it % config.get("ckpt_every", 1) == 0 or ctx.should_checkpoint():
                 with tempfile.TemporaryDirectory() as d:
                     with open(os.path.join(d, "it.txt"), "w") as f:

@@ -114,6 +114,12 @@ class SweepManifest(Manifest):
     total_trials: int = 0
     trials: list[TrialRecord] = field(default_factory=list)
     sweep_id: str = field(default_factory=new_id)
+    # Seconds sweep drivers have spent running the sweep, all fit() calls together (what
+    # TuneConfig(time_budget_s) and TimeoutStopper count).
+    running_s: float = 0.0
+    # Why the sweep was ended before its trials were all done, and when: {"reason":
+    # "ExperimentPlateauStopper.stop_all()", "at": 1767000000.0} (see tune.sweep_stop).
+    stopped: dict[str, Any] | None = None
     schema_version: int = field(default=SCHEMA_VERSION, kw_only=True)
 
     def to_bytes(self) -> bytes:

@@ -6,7 +6,7 @@ run_config=RunConfig(...)).fit() -> ResultGrid`, `Tuner.restore(path, trainable,
 `quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `qlograndint`,
 `randn`, `qrandn`, `sample_from`; and
 what a function trainable is given besides its config: `with_parameters`, `with_resources`;
-`Trainable`, Ray Tune's class API.
+`Trainable`, Ray Tune's class API; `Stopper` (the stoppers are in `unbroken.tune.stopper`).
 Search algorithms are in `unbroken.tune.search`, schedulers in `unbroken.tune.schedulers`.
 
 Worker side (inside the trainable): `report`, `get_checkpoint`, `get_context`, the same
@@ -44,13 +44,14 @@ from unbroken.tune.search_space import (
     sample_from,
     uniform,
 )
+from unbroken.tune.stopper import Stopper
 from unbroken.tune.trainable import Trainable
 from unbroken.tune.tune_config import TuneConfig
 from unbroken.tune.tuner import Tuner
 
 __all__ = [
-    "Checkpoint", "CheckpointConfig", "FailureConfig", "ResultGrid", "RunConfig", "Trainable", "TrialResult",
-    "TuneConfig", "Tuner",
+    "Checkpoint", "CheckpointConfig", "FailureConfig", "ResultGrid", "RunConfig", "Stopper", "Trainable",
+    "TrialResult", "TuneConfig", "Tuner",
     "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qlograndint", "qrandint", "qrandn",
     "quniform", "randint", "randn", "sample_from", "uniform", "with_parameters", "with_resources",
     "get_checkpoint", "get_context", "report",

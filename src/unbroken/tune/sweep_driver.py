@@ -48,6 +48,7 @@ from unbroken.tune.pbt import PopulationBasedTraining
 from unbroken.tune.population import PBTStopper, Population
 from unbroken.tune.reconcile import reconciled
 from unbroken.tune.search.searcher import SearchContext, Searcher
+from unbroken.tune.sweep_stop import SweepWatch, TrialStop, mark_stopped, needs_wrapping
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_run_config
 from unbroken.tune.trial_process import LocalTrialProcess
 from unbroken.tune.trial_slots import TrialSlots, holding
@@ -104,8 +105,11 @@ class SweepDriver:
     queue: list[str] = field(default_factory=list)
     relaunching: dict[str, Callable[[], bool]] = field(default_factory=dict)  # queued after a lost driver
     ctx: SearchContext | None = None
+    time_budget_s: float | None = None
+    watch: SweepWatch | None = None  # the sweep's own end (stop_all, the time budget; set by prepare)
     _t0: float = 0.0  # when execute() began (monotonic)
     _done_at_start: int = 0  # trials already done then
+    _spent_before: float = 0.0  # running_s when execute() began
 
     # -- bookkeeping ----------------------------------------------------------------------
     @property
@@ -113,6 +117,8 @@ class SweepDriver:
         return self.manifest.name
 
     def save(self) -> None:
+        if self._t0:
+            self.manifest.running_s = self._spent_before + time.monotonic() - self._t0
         self.previous = sw.save(self.storage, self.manifest, self.previous)
 
     def _say(self, message: str, *args: Any) -> None:
@@ -150,7 +156,7 @@ class SweepDriver:
                                          m.seed, self._config_of)
             for record in m.trials:
                 if record.status not in sw.DONE:
-                    self.population.catch_up(record.name, self._user_stop())
+                    self.population.catch_up(record.name, self._trial_stop(record))
         m.trials = [reconciled(self.storage, record, self.scheduler) for record in m.trials]
         self.ctx = SearchContext(storage=self.storage, name=m.name, space=self.space, seed=m.seed,
                                  metric=self.metric, mode=self.mode, num_samples=m.num_samples)
@@ -167,7 +173,10 @@ class SweepDriver:
         for record in m.trials:
             if record.status in sw.DONE and not record.told:
                 self._tell(record)
+        self.watch = SweepWatch(self.storage, self._user_stop(), self.time_budget_s, m.running_s)
         for record in m.trials:
+            if m.stopped is not None:
+                break  # the sweep was ended (sweep_stop): nothing runs again
             if record.name in new:
                 self.queue.append(record.name)
             elif record.status in sw.UNFINISHED and flags.unfinished:
@@ -229,10 +238,21 @@ class SweepDriver:
         base = getattr(self.trainable, "run_config", None)
         return self.run_config.stop or (base.stop if base is not None else None)
 
+    def _trial_id(self, record: TrialRecord) -> str:
+        return f"{self.manifest.sweep_id[:8]}_{record.index:05d}"
+
+    def _trial_stop(self, record: TrialRecord) -> Any:
+        """The user's stop condition as this trial asks it (see sweep_stop)."""
+        stop = self._user_stop()
+        if not needs_wrapping(stop, self.time_budget_s):
+            return stop
+        return TrialStop(record.name, self._trial_id(record), self.storage.url(),
+                         self.run_config.storage_filesystem, stop)
+
     def _trainer(self, record: TrialRecord) -> Any:
         config = self._config_of(record.name)
         base = getattr(self.trainable, "run_config", None)
-        user_stop = self._user_stop()
+        user_stop = self._trial_stop(record)
         stop, url, fs = user_stop, self.storage.url(), self.run_config.storage_filesystem
         if self.population is not None:
             stop = PBTStopper(record.name, url, fs, self.population.scheduler, self.metric, user_stop)
@@ -249,8 +269,7 @@ class SweepDriver:
             self._ended(record, sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0])
             return None
         url = self.storage.url(record.name)
-        info = {"trial_name": record.name, "trial_id": f"{self.manifest.sweep_id[:8]}_{record.index:05d}",
-                "trial_dir": url}
+        info = {"trial_name": record.name, "trial_id": self._trial_id(record), "trial_dir": url}
         env, gpus = engine_env(), self.gpus.take() if self.gpus is not None else None
         if gpus is not None:
             env[gpu_slots.ENV] = ",".join(gpus)
@@ -341,7 +360,7 @@ class SweepDriver:
     def execute(self) -> None:
         """Run the queued and newly proposed trials; raise TrainingInterruptedError on a signal."""
         running: dict[str, _Running] = {}
-        self._t0 = time.monotonic()
+        self._t0, self._spent_before = time.monotonic(), self.manifest.running_s
         self._done_at_start = sum(1 for t in self.manifest.trials if t.status in sw.DONE)
         with Interrupts() as interrupts:
             try:
@@ -363,6 +382,7 @@ class SweepDriver:
         forwarded = 0
         while True:
             self.lease.beat()
+            self._watch()
             if interrupts.count > forwarded:
                 forwarded = interrupts.count
                 self._forward(interrupts.signal_name, running)
@@ -382,9 +402,26 @@ class SweepDriver:
         for r in running.values():
             r.proc.signal(signum)
 
+    def _watch(self) -> None:
+        """End the sweep when its stopper's stop_all() or its time budget says so: recorded,
+        and marked for the running trials, which stop at their next report (see sweep_stop)."""
+        if self.watch is None or self.manifest.stopped is not None:
+            return
+        m = self.manifest
+        trials = {r.name: self._trial_id(r) for r in m.trials if r.started_at}
+        reason = self.watch.check(trials, {r.name for r in m.trials if r.status in sw.DONE})
+        if reason is not None:
+            m.stopped = {"reason": reason, "at": time.time()}
+            mark_stopped(self.storage, reason)
+            self.queue.clear()
+            self.save()
+            self._say("ends: %s; running trials stop at their next report, and no trial starts", reason)
+
     def _start_trials(self, running: dict[str, _Running]) -> None:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer
         cannot be built is recorded as ERROR and not counted)."""
+        if self.manifest.stopped is not None:
+            return
         self._release_paused()
         while len(running) < self.concurrency:
             if self.gpus is not None and not self.gpus.trials:
@@ -457,7 +494,8 @@ class SweepDriver:
     def _finish(self) -> None:
         """Record the sweep as FINISHED when every trial is done, else INCOMPLETE, and log the counts."""
         trials = self.manifest.trials
-        done = all(t.status in sw.DONE for t in trials) and len(trials) >= self.total
+        done = self.manifest.stopped is not None or (
+            all(t.status in sw.DONE for t in trials) and len(trials) >= self.total)
         self.manifest.status = sw.SWEEP_FINISHED if done else sw.SWEEP_INCOMPLETE
         self.save()
         counts = self.manifest.counts()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +20,9 @@ class TuneConfig:
       or `OptunaSearch(...)` from `unbroken.tune.search`.
     - `scheduler`: None (every trial runs to its end) or `ASHAScheduler(...)` from
       `unbroken.tune.schedulers`.
+    - `time_budget_s`: the sweep ends once sweep drivers have run it this many seconds (all
+      fit() calls together; a number or a timedelta): running trials stop at their next
+      report, and no trial starts after (see `unbroken.tune.sweep_stop`).
     - `seed`: the seed of random search (and of Optuna's default sampler). None: a random
       seed is drawn when the sweep starts and stored with it, so a restored sweep proposes
       what the uninterrupted one would have.
@@ -31,8 +35,16 @@ class TuneConfig:
     num_samples: int = 1
     max_concurrent_trials: int | None = None
     seed: int | None = None
+    time_budget_s: float | datetime.timedelta | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.time_budget_s, datetime.timedelta):
+            self.time_budget_s = self.time_budget_s.total_seconds()
+        budget = self.time_budget_s
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not budget > 0):
+            raise ValueError(f"TuneConfig.time_budget_s must be None or a positive number of seconds, got "
+                             f"{budget!r}")
         if self.mode not in (None, "min", "max"):
             raise ValueError(f"TuneConfig.mode must be 'min' or 'max', got {self.mode!r}")
         n = self.num_samples

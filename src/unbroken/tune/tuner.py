@@ -188,7 +188,7 @@ class Tuner:
                 storage=storage, manifest=manifest, previous=previous, lease=lease, trainable=self.trainable,
                 space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
                 metric=self.metric, mode=self.mode, concurrency=self._concurrency(total, slots, gpus),
-                total=total, verbose=rc.verbose, slots=slots, gpus=gpus,
+                total=total, verbose=rc.verbose, slots=slots, gpus=gpus, time_budget_s=tc.time_budget_s,
                 on_ray=resolve_engine(trial_scaling(self.trainable)) == "ray")
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)

@@ -1,0 +1,167 @@
+"""How Tune's stop conditions reach the trials: a stopper or `fn(trial_id, result)` asked for
+each trial in its own driver (`TrialStop`), and the sweep's own end, by a stopper's
+`stop_all()` or `TuneConfig(time_budget_s=...)`, decided by the sweep driver (`SweepWatch`).
+
+A sweep that ends this way records why in its manifest (`SweepManifest.stopped`) and leaves a
+marker file, `<sweep>/.unbroken/stopped.json`, that each trial's `TrialStop` looks for (once a
+second at most): a running trial stops at its next report, with its checkpoint as at any stop,
+and ends TERMINATED; no trial starts after it, in this fit() or a restored one.
+
+Durable across a killed sweep driver: a trial's copy of the stopper is rebuilt, after a
+restore or a retry, by asking a pristine copy about the trial's earlier rows (its history, each
+iteration once), so it holds what the copy of an uninterrupted trial would. The sweep driver's
+copy is rebuilt the same way from every trial's history, and the time budget counts the time
+drivers spent on the sweep (`SweepManifest.running_s`), so the time between a killed driver
+and its restore is not spent.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import time
+from typing import Any
+
+from unbroken.core.config import stop_met
+from unbroken.store import history
+from unbroken.store.manifest_base import META_DIR
+from unbroken.store.storage import Storage
+from unbroken.tune import stopper as st
+
+STOPPED_MARKER = f"{META_DIR}/stopped.json"
+MARKER_EVERY_S = 1.0  # how often a trial looks for the marker
+FEED_EVERY_S = 0.5  # how often the sweep driver reads the running trials' new rows
+
+
+def takes_trial_id(fn: Any) -> bool:
+    """Whether a stop function is called as Tune calls it, `fn(trial_id, result)` (two
+    positional parameters), rather than `fn(result)`."""
+    if isinstance(fn, st.Stopper):
+        return True
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def needs_wrapping(stop: Any, time_budget_s: float | None) -> bool:
+    """Whether a sweep's trials need a `TrialStop` (else their stop is the user's as it is)."""
+    return time_budget_s is not None or isinstance(stop, st.Stopper) or (
+        callable(stop) and takes_trial_id(stop))
+
+
+def ask(stop: Any, trial_id: str, row: dict[str, Any]) -> bool:
+    """One verdict of a user's stop condition: a dict, `fn(result)`, `fn(trial_id, result)`."""
+    if callable(stop) and takes_trial_id(stop):
+        return bool(stop(trial_id, row))
+    return stop_met(stop, row)
+
+
+class TrialStop:
+    """The `RunConfig.stop` of one trial of a sweep whose stop needs more than a row: its
+    verdict is the user's stopper's for this trial, or yes once the sweep has ended."""
+
+    def __init__(self, trial: str, trial_id: str, sweep_url: str, storage_filesystem: Any, stop: Any) -> None:
+        self.trial = trial
+        self.trial_id = trial_id
+        self.sweep_url = sweep_url
+        self.storage_filesystem = storage_filesystem
+        self.stop = stop
+        self._live: Any = None  # the copy asked now, or None until rebuilt
+        self._last: Any = None  # the last iteration it was asked about
+        self._checked_at = -MARKER_EVERY_S
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_live": None, "_last": None, "_checked_at": -MARKER_EVERY_S}
+
+    def __repr__(self) -> str:
+        return f"TrialStop(trial={self.trial!r}, stop={self.stop!r})"
+
+    def _sweep(self) -> Storage:
+        return Storage.from_url(self.sweep_url, self.storage_filesystem)
+
+    def __call__(self, row: dict[str, Any]) -> bool:
+        if self._sweep_ended():
+            return True
+        if not isinstance(self.stop, st.Stopper):  # stateless: nothing to rebuild
+            return ask(self.stop, self.trial_id, row)
+        iteration = row.get("training_iteration")
+        if self._live is None or (isinstance(iteration, int) and isinstance(self._last, int)
+                                  and iteration <= self._last):
+            self._rebuild(iteration)
+        self._last = iteration
+        return bool(self._live(self.trial_id, row))
+
+    def _rebuild(self, iteration: Any) -> None:
+        """A pristine copy of the stopper, asked about this trial's rows before `iteration`."""
+        self._live = copy.deepcopy(self.stop)
+        if not isinstance(iteration, int):
+            return
+        rows = history.timeline(history.read_rows(self._sweep().child(self.trial)))
+        for row in rows:
+            if isinstance(row.get("training_iteration"), int) and row["training_iteration"] < iteration:
+                self._live(self.trial_id, row)
+
+    def _sweep_ended(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked_at < MARKER_EVERY_S:
+            return False
+        self._checked_at = now
+        return self._sweep().exists(STOPPED_MARKER)
+
+
+class SweepWatch:
+    """The sweep driver's side: its copy of the user's stopper, fed every trial's rows, and
+    the time budget. `check` says why the sweep ends now, or None."""
+
+    def __init__(self, storage: Storage, stop: Any, time_budget_s: float | None, spent_s: float) -> None:
+        self.storage = storage
+        self.stop = stop if isinstance(stop, st.Stopper) else None
+        self.budget = st.TimeoutStopper(time_budget_s) if time_budget_s is not None else None
+        for s in [*st.walk(self.stop), self.budget]:
+            if isinstance(s, st.TimeoutStopper):
+                s.resume_clock(spent_s)
+        self.feeds = self.stop is not None and any(
+            type(s).stop_all is not _NEVER.get(type(s), None) for s in st.walk(self.stop))
+        self._fed: dict[str, int] = {}  # by trial: the last iteration the stopper was asked about
+        self._fed_at = -FEED_EVERY_S
+        self._read_whole: set[str] = set()  # ended trials whose every row was fed
+
+    def check(self, trials: dict[str, str], ended: set[str]) -> str | None:
+        """Feed the stopper the new rows of `trials` ({name: trial_id}, those that have run;
+        `ended`: those of them that will write no more rows) and say why the sweep ends now
+        (None: it goes on). Reads at most every FEED_EVERY_S."""
+        if self.feeds and time.monotonic() - self._fed_at >= FEED_EVERY_S:
+            self._fed_at = time.monotonic()
+            self._feed({n: i for n, i in trials.items() if n not in self._read_whole})
+            self._read_whole |= ended & trials.keys()
+        if self.stop is not None and self.stop.stop_all():
+            return f"{type(self.stop).__name__}.stop_all()"
+        if self.budget is not None and self.budget.stop_all():
+            return f"time_budget_s={self.budget.budget_s:g}"
+        return None
+
+    def _feed(self, trials: dict[str, str]) -> None:
+        new = []
+        for name, trial_id in trials.items():
+            for row in history.timeline(history.read_rows(self.storage.child(name))):
+                it = row.get("training_iteration")
+                if isinstance(it, int) and it > self._fed.get(name, 0):
+                    new.append((row.get("timestamp") or 0.0, name, trial_id, row))
+        for _, name, trial_id, row in sorted(new, key=lambda item: (item[0], item[1])):
+            self._fed[name] = row["training_iteration"]
+            self.stop(trial_id, row)
+
+
+# The stoppers whose stop_all never says yes, or says so without being fed rows (the time).
+_NEVER = {cls: cls.stop_all for cls in (st.NoopStopper, st.FunctionStopper, st.MaximumIterationStopper,
+                                        st.TrialPlateauStopper, st.TimeoutStopper, st.CombinedStopper)}
+
+
+def mark_stopped(storage: Storage, reason: str) -> None:
+    """Leave the marker the running trials look for."""
+    storage.makedirs(META_DIR)
+    storage.write_atomic(STOPPED_MARKER, json.dumps({"reason": reason, "at": time.time()}).encode())
