@@ -4,8 +4,10 @@ stoppers, callbacks, and Tune's stopping and checkpoint semantics."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from conftest import attempts, fifo, kill_and_reap, read_until, run_script, star
 from tune_loops import BLOCK_ENV, tune_loop
 from unbroken import tune
 from unbroken.errors import SearchSpaceError
-from unbroken.train import RunConfig
+from unbroken.train import FailureConfig, RunConfig, TrainingFailedError
 from unbroken.tune import search_space as ss
 from unbroken.tune import stopper
 
@@ -175,3 +177,86 @@ def test_a_stop_function_of_the_trial_id_and_the_result_is_called_as_tune_calls_
     grid = tune.Tuner(tune_loop, param_space={"iterations": 5},
                       run_config=RunConfig(name="fn", storage_path=storage, verbose=0, stop=stop)).fit()
     assert grid[0].metrics["it"] == 2 and grid[0].trial_status == "TERMINATED"
+
+
+# -- Tune's semantics -----------------------------------------------------------------------------
+
+def test_fail_fast_ends_the_sweep_at_the_first_errored_trial(storage):
+    """Trial 0 (x=1) raises at iteration 2; trial 1 runs beside it (x=2, 10 s of steps): it
+    stops at its next report once trial 0 has errored, as TERMINATED; trial 2 never starts.
+    'raise' raises the error from fit(); a restore that reruns errored trials runs the sweep
+    on, and then every trial."""
+    space = {"x": tune.grid_search([1, 2, 3]), "fail_x": 1, "iterations": 30, "step_s": 0.1}
+
+    def tuner(fail_fast):
+        return tune.Tuner(tune_loop, param_space=space,
+                          tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=2),
+                          run_config=RunConfig(name=f"ff-{fail_fast}", storage_path=storage, verbose=0,
+                                               failure_config=FailureConfig(fail_fast=fail_fast)))
+
+    grid = tuner(True).fit()
+    path = os.path.join(storage, "ff-True")
+    assert sweep_json(path)["stopped"]["reason"] == "fail_fast: trial_00000 errored"
+    assert sweep_json(path)["status"] == "FINISHED"
+    assert statuses(path) == {"trial_00000": "ERROR", "trial_00001": "TERMINATED", "trial_00002": "PENDING"}
+    assert grid.num_errors == 1 and grid[1].metrics["it"] < 30
+    again = tune.Tuner.restore(path, tune_loop, resume_errored=True).fit()
+    assert sweep_json(path)["stopped"] is None and again.num_errors == 0
+    assert [r.metrics["it"] for r in again] == [30, grid[1].metrics["it"], 30]
+    with pytest.raises(TrainingFailedError, match="fail_fast='raise'.*trial_00000.*injected failure"):
+        tuner("raise").fit()
+    with pytest.raises(ValueError, match="fail_fast"):
+        FailureConfig(fail_fast="yes")
+
+
+# -- sweep callbacks --------------------------------------------------------------------------------
+
+CALLBACK_SWEEP = """
+import sys
+from tune_loops import Recorder, tune_loop
+from unbroken import tune
+from unbroken.train import RunConfig
+
+class Raising(tune.Callback):
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        raise RuntimeError("a broken callback")
+
+space = {"x": tune.grid_search([1, 2, 3]), "fail_x": 2, "block_it": 2}
+tune.Tuner(tune_loop, param_space=space, tune_config=tune.TuneConfig(max_concurrent_trials=1),
+           run_config=RunConfig(name="cb", storage_path=sys.argv[1],
+                                callbacks=[Raising(), Recorder(sys.argv[2])])).fit()
+print("DONE", flush=True)
+"""
+
+
+def events(path: str) -> list[list]:
+    return [json.loads(line) for line in open(path)]
+
+
+def test_sweep_callbacks_get_each_result_once_across_a_killed_driver(storage, tmp_path):
+    """Trial 0 finishes, trial 1 errors at iteration 2, trial 2 blocks after its report 2 and
+    the sweep driver is SIGKILLed; the restored sweep resumes trial 2 at 3. Across both
+    drivers each result is delivered once, in order, before its trial's end; a callback
+    that raises does not stop the others."""
+    block, log = str(tmp_path / "block"), str(tmp_path / "events.jsonl")
+    fifo(block, "trial_00002")
+    driver = start_script(CALLBACK_SWEEP, storage, log, **{BLOCK_ENV: block})
+    read_until(driver, "trial_00002 BLOCKING")
+    path = os.path.join(storage, "cb")
+    deadline = time.monotonic() + 30
+    while sweep_json(path)["trials"][2]["results_seen"] < 2:  # delivered, and recorded as delivered
+        assert time.monotonic() < deadline, events(log)
+        time.sleep(0.05)
+    kill_and_reap(driver)
+    os.remove(os.path.join(block, "trial_00002"))
+    assert "DONE" in run_script(CALLBACK_SWEEP, storage, log).stdout
+    seen = events(log)
+    results = [tuple(e[1:3]) for e in seen if e[0] == "result"]
+    assert results == [("trial_00000", i) for i in range(1, 5)] + [("trial_00001", 1)] + [
+        ("trial_00002", i) for i in range(1, 5)], "each result once, in order"
+    assert [e for e in seen if e[0] in ("complete", "error")] == [
+        ["complete", "trial_00000", 4], ["error", "trial_00001", True], ["complete", "trial_00002", 4]]
+    assert seen[0] == ["setup", 3] and seen[-1] == ["end", ["ERROR", "TERMINATED", "TERMINATED"]]
+    assert [e[1] for e in seen if e[0] == "start"] == ["trial_00000", "trial_00001", "trial_00002",
+                                                       "trial_00002"], "trial 2 again after the restore"
+    assert seen.index(["complete", "trial_00000", 4]) > seen.index(["result", "trial_00000", 4, 4.0])

@@ -225,3 +225,35 @@ def pbt_loop(config: dict) -> None:
                         checkpoint=Checkpoint.from_directory(d))
         if config.get("echo"):
             print(f"{tune.get_context().get_trial_name()} REPORTED {step}", flush=True)
+
+
+class Recorder(tune.Callback):
+    """A sweep callback that appends each event it is given to the JSON-lines file `path`
+    (it survives a killed sweep driver), and prints it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _note(self, *event) -> None:
+        line = json.dumps(event)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+        print("EVENT", line, flush=True)
+
+    def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
+        self._note("setup", total_num_samples)
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        self._note("start", str(trial))
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        self._note("result", trial.trial_name, result["training_iteration"], result["score"])
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._note("complete", trial.trial_name, trial.last_result.get("training_iteration"))
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._note("error", trial.trial_name, bool(trial.error))
+
+    def on_experiment_end(self, trials, **info) -> None:
+        self._note("end", sorted(t.status for t in trials))

@@ -131,7 +131,8 @@ class FailureConfig:
     the default) are accepted so that V2 scripts run unchanged, and have no effect: the
     controller is the driver process itself (a killed driver's run continues when the script
     runs again), and a preemption signal to the driver commits a checkpoint and stops the run
-    as INTERRUPTED rather than counting as a failure. `fail_fast` (V1) raises at the first failure.
+    as INTERRUPTED rather than counting as a failure. `fail_fast` (V1) raises at the first failure;
+    in a sweep, a trial's error also ends the sweep (`"raise"`: and fit() raises it), as in Tune.
 
     `recover_in_place`: when a rank fails in a run whose ranks hold a `TrainState(...,
     jit_checkpoint=True, step_seed=...)`, the surviving ranks keep their processes, only the
@@ -146,7 +147,7 @@ class FailureConfig:
     """
 
     max_failures: int = 0
-    fail_fast: bool = False
+    fail_fast: bool | str = False
     hang_timeout_s: float | None = None
     recover_in_place: bool = False
     controller_failure_limit: int = -1
@@ -157,6 +158,9 @@ class FailureConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
                 raise ValueError(f"FailureConfig.{name} must be an int >= -1 (-1: unlimited), got {value!r}")
+        if self.fail_fast not in (True, False, "raise"):
+            raise ValueError(f"FailureConfig.fail_fast must be True, False or 'raise', got "
+                             f"{self.fail_fast!r}")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:
             raise ValueError(f"FailureConfig.hang_timeout_s must be None or > 0, got {self.hang_timeout_s!r}")
 

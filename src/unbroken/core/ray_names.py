@@ -72,6 +72,14 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                                "the Trainer, adds RayTrainReportCallback and calls prepare_trainer, both "
                                "from unbroken.train.huggingface.transformers (docs/integrations.md)",
     },
+    "unbroken.tune.logger": {
+        **{name: "each trial writes its rows to result.json and progress.csv in its run directory by "
+                 "itself. Hint: drop it from RunConfig(callbacks=...)"
+           for name in ("CSVLoggerCallback", "JsonLoggerCallback", "CSVLogger", "JsonLogger")},
+        **{name: "TensorBoard logging is not built in. Hint: write your own tune.logger.LoggerCallback "
+                 "(log_trial_result gets every result) or log from the training function"
+           for name in ("TBXLoggerCallback", "TBXLogger")},
+    },
     "unbroken.tune.schedulers": {
         "ResourceChangingScheduler": "a trial keeps the resources it started with. Hint: say what a trial "
                                      "uses with its trainer's scaling_config",

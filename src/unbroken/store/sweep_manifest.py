@@ -75,6 +75,7 @@ class TrialRecord:
     relaunches: int = 0                # times it ran again because its driver was lost with its node
     started_at: float | None = None
     ended_at: float | None = None
+    results_seen: int = 0              # the last iteration the sweep callbacks were given (tune.callback)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)

@@ -6,7 +6,8 @@ run_config=RunConfig(...)).fit() -> ResultGrid`, `Tuner.restore(path, trainable,
 `quniform`, `loguniform`, `qloguniform`, `randint`, `qrandint`, `lograndint`, `qlograndint`,
 `randn`, `qrandn`, `sample_from`; and
 what a function trainable is given besides its config: `with_parameters`, `with_resources`;
-`Trainable`, Ray Tune's class API; `Stopper` (the stoppers are in `unbroken.tune.stopper`).
+`Trainable`, Ray Tune's class API; `Callback` (sweep callbacks; `LoggerCallback` is in
+`unbroken.tune.logger`); `Stopper` (the stoppers are in `unbroken.tune.stopper`).
 Search algorithms are in `unbroken.tune.search`, schedulers in `unbroken.tune.schedulers`.
 
 Worker side (inside the trainable): `report`, `get_checkpoint`, `get_context`, the same
@@ -27,6 +28,7 @@ from unbroken.train import (
     get_context,
     report,
 )
+from unbroken.tune.callback import Callback
 from unbroken.tune.function_trainable import with_parameters, with_resources
 from unbroken.tune.result_grid import ResultGrid, TrialResult
 from unbroken.tune.search_space import (
@@ -50,8 +52,8 @@ from unbroken.tune.tune_config import TuneConfig
 from unbroken.tune.tuner import Tuner
 
 __all__ = [
-    "Checkpoint", "CheckpointConfig", "FailureConfig", "ResultGrid", "RunConfig", "Stopper", "Trainable",
-    "TrialResult", "TuneConfig", "Tuner",
+    "Callback", "Checkpoint", "CheckpointConfig", "FailureConfig", "ResultGrid", "RunConfig", "Stopper",
+    "Trainable", "TrialResult", "TuneConfig", "Tuner",
     "choice", "grid_search", "lograndint", "loguniform", "qloguniform", "qlograndint", "qrandint", "qrandn",
     "quniform", "randint", "randn", "sample_from", "uniform", "with_parameters", "with_resources",
     "get_checkpoint", "get_context", "report",

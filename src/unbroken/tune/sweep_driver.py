@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.core import faults
-from unbroken.errors import TrainingInterruptedError, UnbrokenError
+from unbroken.errors import TrainingFailedError, TrainingInterruptedError, UnbrokenError
 from unbroken.execution.engine.factory import engine_env
 from unbroken.execution.preemption import Interrupts
 from unbroken.observe.progress import clock, eta_s
@@ -43,12 +43,14 @@ from unbroken.store.storage import Storage
 from unbroken.store.sweep_manifest import TrialRecord
 from unbroken.tune import asha, gpu_slots, pbt
 from unbroken.tune import search_space as ss
+from unbroken.tune.callback import split
 from unbroken.tune.gpu_slots import GpuSlots
 from unbroken.tune.pbt import PopulationBasedTraining
 from unbroken.tune.population import PBTStopper, Population
 from unbroken.tune.reconcile import reconciled
 from unbroken.tune.search.searcher import SearchContext, Searcher
-from unbroken.tune.sweep_stop import SweepWatch, TrialStop, mark_stopped, needs_wrapping
+from unbroken.tune.sweep_events import SweepEvents, trial_id
+from unbroken.tune.sweep_stop import TrialStop, mark_stopped, unmark_stopped
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_run_config
 from unbroken.tune.trial_process import LocalTrialProcess
 from unbroken.tune.trial_slots import TrialSlots, holding
@@ -106,7 +108,7 @@ class SweepDriver:
     relaunching: dict[str, Callable[[], bool]] = field(default_factory=dict)  # queued after a lost driver
     ctx: SearchContext | None = None
     time_budget_s: float | None = None
-    watch: SweepWatch | None = None  # the sweep's own end (stop_all, the time budget; set by prepare)
+    events: SweepEvents | None = None  # callbacks, stop_all, the time budget (set by prepare)
     _t0: float = 0.0  # when execute() began (monotonic)
     _done_at_start: int = 0  # trials already done then
     _spent_before: float = 0.0  # running_s when execute() began
@@ -173,7 +175,11 @@ class SweepDriver:
         for record in m.trials:
             if record.status in sw.DONE and not record.told:
                 self._tell(record)
-        self.watch = SweepWatch(self.storage, self._user_stop(), self.time_budget_s, m.running_s)
+        self.events = SweepEvents(self.storage, m, split(self.run_config.callbacks)[0], self._user_stop(),
+                                  self.time_budget_s)
+        if m.stopped is not None and m.stopped.get("fail_fast") and (flags.errored or flags.restart):
+            m.stopped = None  # its errored trials run again, and so may the others
+            unmark_stopped(self.storage)
         for record in m.trials:
             if m.stopped is not None:
                 break  # the sweep was ended (sweep_stop): nothing runs again
@@ -238,16 +244,17 @@ class SweepDriver:
         base = getattr(self.trainable, "run_config", None)
         return self.run_config.stop or (base.stop if base is not None else None)
 
-    def _trial_id(self, record: TrialRecord) -> str:
-        return f"{self.manifest.sweep_id[:8]}_{record.index:05d}"
+    def _fail_fast(self) -> bool | str:
+        """FailureConfig.fail_fast of the sweep's RunConfig, else of the trainer's."""
+        base = getattr(self.trainable, "run_config", None)
+        return self.run_config.failure_config.fail_fast or (
+            base is not None and base.failure_config.fail_fast)
 
     def _trial_stop(self, record: TrialRecord) -> Any:
-        """The user's stop condition as this trial asks it (see sweep_stop)."""
-        stop = self._user_stop()
-        if not needs_wrapping(stop, self.time_budget_s):
-            return stop
-        return TrialStop(record.name, self._trial_id(record), self.storage.url(),
-                         self.run_config.storage_filesystem, stop)
+        """The user's stop condition as this trial asks it, which also stops it once the sweep
+        has ended (see sweep_stop)."""
+        return TrialStop(record.name, trial_id(self.manifest, record), self.storage.url(),
+                         self.run_config.storage_filesystem, self._user_stop())
 
     def _trainer(self, record: TrialRecord) -> Any:
         config = self._config_of(record.name)
@@ -269,7 +276,7 @@ class SweepDriver:
             self._ended(record, sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0])
             return None
         url = self.storage.url(record.name)
-        info = {"trial_name": record.name, "trial_id": self._trial_id(record), "trial_dir": url}
+        info = {"trial_name": record.name, "trial_id": trial_id(self.manifest, record), "trial_dir": url}
         env, gpus = engine_env(), self.gpus.take() if self.gpus is not None else None
         if gpus is not None:
             env[gpu_slots.ENV] = ",".join(gpus)
@@ -284,6 +291,8 @@ class SweepDriver:
         record.driver = None
         record.status, record.started_at, record.ended_at, record.error = sw.RUNNING, time.time(), None, None
         self.save()
+        if self.events is not None:
+            self.events.started(record)
         return _Running(record, proc, share=share or 0, gpus=gpus or [])
 
     def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
@@ -296,6 +305,10 @@ class SweepDriver:
         if status in sw.DONE:
             self._tell(record)
         self.save()
+        if status in sw.DONE and self.events is not None:
+            self.events.ended(record)
+        if status == sw.ERROR and self.manifest.stopped is None and self._fail_fast():
+            self._end_sweep({"reason": f"fail_fast: {record.name} errored", "fail_fast": record.name})
         detail = ""
         if status == sw.ERROR:
             detail = f": {error}"
@@ -371,9 +384,16 @@ class SweepDriver:
                 for r in running.values():
                     r.proc.join()
                 raise
+        if self.events is not None:
+            self.events.finished()
         if forwarded:
             self._interrupted(interrupts.signal_name or "a signal")
         self._finish()
+        failed = (self.manifest.stopped or {}).get("fail_fast")
+        if failed and self._fail_fast() == "raise":
+            record = self.manifest.trial(failed)
+            raise TrainingFailedError(f"sweep {self.storage.url()!r} ended at the first failed trial "
+                                      f"(fail_fast='raise'): {failed}: {record.error if record else ''}")
 
     def _run_trials(self, running: dict[str, _Running], interrupts: Interrupts) -> int:
         """The driver's loop: beat the lease, forward new signals, start trials while none was
@@ -403,19 +423,25 @@ class SweepDriver:
             r.proc.signal(signum)
 
     def _watch(self) -> None:
-        """End the sweep when its stopper's stop_all() or its time budget says so: recorded,
-        and marked for the running trials, which stop at their next report (see sweep_stop)."""
-        if self.watch is None or self.manifest.stopped is not None:
+        """Give the sweep callbacks the trials' new results, and end the sweep when its
+        stopper's stop_all() or its time budget says so: recorded, and marked for the running
+        trials, which stop at their next report (see sweep_stop)."""
+        if self.events is None:
             return
-        m = self.manifest
-        trials = {r.name: self._trial_id(r) for r in m.trials if r.started_at}
-        reason = self.watch.check(trials, {r.name for r in m.trials if r.status in sw.DONE})
-        if reason is not None:
-            m.stopped = {"reason": reason, "at": time.time()}
-            mark_stopped(self.storage, reason)
-            self.queue.clear()
+        reason = self.events.tick()
+        if self.events.unsaved:
+            self.events.unsaved = False
             self.save()
-            self._say("ends: %s; running trials stop at their next report, and no trial starts", reason)
+        if reason is not None and self.manifest.stopped is None:
+            self._end_sweep({"reason": reason})
+
+    def _end_sweep(self, why: dict[str, Any]) -> None:
+        """Record that the sweep ends, and mark it for the running trials (see sweep_stop)."""
+        self.manifest.stopped = {**why, "at": time.time()}
+        mark_stopped(self.storage, why["reason"])
+        self.queue.clear()
+        self.save()
+        self._say("ends: %s; running trials stop at their next report, and no trial starts", why["reason"])
 
     def _start_trials(self, running: dict[str, _Running]) -> None:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer

@@ -31,7 +31,6 @@ from unbroken.tune import stopper as st
 
 STOPPED_MARKER = f"{META_DIR}/stopped.json"
 MARKER_EVERY_S = 1.0  # how often a trial looks for the marker
-FEED_EVERY_S = 0.5  # how often the sweep driver reads the running trials' new rows
 
 
 def takes_trial_id(fn: Any) -> bool:
@@ -47,12 +46,6 @@ def takes_trial_id(fn: Any) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def needs_wrapping(stop: Any, time_budget_s: float | None) -> bool:
-    """Whether a sweep's trials need a `TrialStop` (else their stop is the user's as it is)."""
-    return time_budget_s is not None or isinstance(stop, st.Stopper) or (
-        callable(stop) and takes_trial_id(stop))
-
-
 def ask(stop: Any, trial_id: str, row: dict[str, Any]) -> bool:
     """One verdict of a user's stop condition: a dict, `fn(result)`, `fn(trial_id, result)`."""
     if callable(stop) and takes_trial_id(stop):
@@ -61,8 +54,8 @@ def ask(stop: Any, trial_id: str, row: dict[str, Any]) -> bool:
 
 
 class TrialStop:
-    """The `RunConfig.stop` of one trial of a sweep whose stop needs more than a row: its
-    verdict is the user's stopper's for this trial, or yes once the sweep has ended."""
+    """The `RunConfig.stop` of one trial of a sweep: the user's stop condition for this trial
+    (a dict, a function, a stopper), or yes once the sweep has ended."""
 
     def __init__(self, trial: str, trial_id: str, sweep_url: str, storage_filesystem: Any, stop: Any) -> None:
         self.trial = trial
@@ -117,43 +110,27 @@ class SweepWatch:
     """The sweep driver's side: its copy of the user's stopper, fed every trial's rows, and
     the time budget. `check` says why the sweep ends now, or None."""
 
-    def __init__(self, storage: Storage, stop: Any, time_budget_s: float | None, spent_s: float) -> None:
-        self.storage = storage
+    def __init__(self, stop: Any, time_budget_s: float | None, spent_s: float) -> None:
         self.stop = stop if isinstance(stop, st.Stopper) else None
         self.budget = st.TimeoutStopper(time_budget_s) if time_budget_s is not None else None
         for s in [*st.walk(self.stop), self.budget]:
             if isinstance(s, st.TimeoutStopper):
                 s.resume_clock(spent_s)
+        #: Whether the stopper must see every trial's rows (its stop_all depends on them).
         self.feeds = self.stop is not None and any(
             type(s).stop_all is not _NEVER.get(type(s), None) for s in st.walk(self.stop))
-        self._fed: dict[str, int] = {}  # by trial: the last iteration the stopper was asked about
-        self._fed_at = -FEED_EVERY_S
-        self._read_whole: set[str] = set()  # ended trials whose every row was fed
 
-    def check(self, trials: dict[str, str], ended: set[str]) -> str | None:
-        """Feed the stopper the new rows of `trials` ({name: trial_id}, those that have run;
-        `ended`: those of them that will write no more rows) and say why the sweep ends now
-        (None: it goes on). Reads at most every FEED_EVERY_S."""
-        if self.feeds and time.monotonic() - self._fed_at >= FEED_EVERY_S:
-            self._fed_at = time.monotonic()
-            self._feed({n: i for n, i in trials.items() if n not in self._read_whole})
-            self._read_whole |= ended & trials.keys()
+    def check(self, rows: list[tuple[str, str, dict]]) -> str | None:
+        """Feed the stopper new rows, (name, trial_id, row) oldest first, and say why the
+        sweep ends now (None: it goes on)."""
+        if self.feeds:
+            for _, trial_id, row in rows:
+                self.stop(trial_id, row)
         if self.stop is not None and self.stop.stop_all():
             return f"{type(self.stop).__name__}.stop_all()"
         if self.budget is not None and self.budget.stop_all():
             return f"time_budget_s={self.budget.budget_s:g}"
         return None
-
-    def _feed(self, trials: dict[str, str]) -> None:
-        new = []
-        for name, trial_id in trials.items():
-            for row in history.timeline(history.read_rows(self.storage.child(name))):
-                it = row.get("training_iteration")
-                if isinstance(it, int) and it > self._fed.get(name, 0):
-                    new.append((row.get("timestamp") or 0.0, name, trial_id, row))
-        for _, name, trial_id, row in sorted(new, key=lambda item: (item[0], item[1])):
-            self._fed[name] = row["training_iteration"]
-            self.stop(trial_id, row)
 
 
 # The stoppers whose stop_all never says yes, or says so without being fed rows (the time).
@@ -165,3 +142,8 @@ def mark_stopped(storage: Storage, reason: str) -> None:
     """Leave the marker the running trials look for."""
     storage.makedirs(META_DIR)
     storage.write_atomic(STOPPED_MARKER, json.dumps({"reason": reason, "at": time.time()}).encode())
+
+
+def unmark_stopped(storage: Storage) -> None:
+    """Remove the marker: the sweep runs again (a restore that reruns errored trials)."""
+    storage.remove(STOPPED_MARKER)

@@ -35,6 +35,7 @@ from unbroken.store.lease import live_holder
 from unbroken.store.storage import Storage
 from unbroken.train import report
 from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
+from unbroken.tune.callback import split
 from unbroken.tune.function_trainable import FunctionTrainable
 from unbroken.tune.trainable import ClassRunner, is_trainable_class
 from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
@@ -120,7 +121,7 @@ def trial_run_config(sweep: RunConfig, trial: str, sweep_url: str, stop: Any,
     failure = sweep.failure_config if sweep.failure_config != FailureConfig() else base.failure_config
     checkpoint = (sweep.checkpoint_config if sweep.checkpoint_config != RunConfig().checkpoint_config
                   else base.checkpoint_config)
-    callbacks = list(base.callbacks or []) + list(sweep.callbacks or [])
+    callbacks = split(base.callbacks)[1] + split(sweep.callbacks)[1]  # the sweep's own stay with it
     return RunConfig(name=trial, storage_path=sweep_url, storage_filesystem=sweep.storage_filesystem,
                      failure_config=failure, checkpoint_config=checkpoint, stop=stop,
                      callbacks=callbacks or None, verbose=sweep.verbose if sweep.verbose >= 2 else 0,
