@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from conftest import attempts, fifo, kill_and_reap, read_until, run_script, start_script, statuses, sweep_json
-from tune_loops import BLOCK_ENV, tune_loop
+from tune_loops import BLOCK_ENV, Counter, tune_loop
 from unbroken import tune
 from unbroken.errors import SearchSpaceError
-from unbroken.train import FailureConfig, RunConfig, TrainingFailedError
+from unbroken.train import CheckpointConfig, FailureConfig, RunConfig, TrainingFailedError
 from unbroken.tune import search_space as ss
-from unbroken.tune import stopper
+from unbroken.tune import stopper, utils
 
 
 def test_every_tune_search_space_function_samples_reproducibly_within_its_bounds():
@@ -94,7 +94,7 @@ import sys
 from tune_loops import tune_loop
 from unbroken import tune
 from unbroken.train import CheckpointConfig, RunConfig
-from unbroken.tune import stopper
+from unbroken.tune import stopper, utils
 
 def stop_at_score(trial_id, result):  # Tune's form: called with the trial's id
     return trial_id.endswith("_00002") and result["score"] >= 8
@@ -260,3 +260,33 @@ def test_sweep_callbacks_get_each_result_once_across_a_killed_driver(storage, tm
     assert [e[1] for e in seen if e[0] == "start"] == ["trial_00000", "trial_00001", "trial_00002",
                                                        "trial_00002"], "trial 2 again after the restore"
     assert seen.index(["complete", "trial_00000", 4]) > seen.index(["result", "trial_00000", 4, 4.0])
+
+
+# -- class trainables and tune.utils ----------------------------------------------------------------
+
+def test_a_step_that_returns_should_checkpoint_saves_with_its_result(storage):
+    grid = tune.Tuner(Counter, param_space={"iterations": 6, "ckpt_at": [2, 5]},
+                      run_config=RunConfig(name="should", storage_path=storage, verbose=0,
+                                           checkpoint_config=CheckpointConfig(checkpoint_at_end=False))).fit()
+    saved = [r["training_iteration"] for r in grid[0].rows if r.get("checkpoint_dir_name")]
+    assert saved == [2, 5] and grid[0].checkpoint.path.endswith("checkpoint_000005")
+
+
+def test_tune_utils_helpers_behave_as_ray_s():
+    nested = {"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}
+    flat = utils.flatten_dict(nested)
+    assert flat == {"a/b": 1, "a/c/d": [1, 2], "e": {}}
+    assert utils.flatten_dict(nested, flatten_list=True)["a/c/d/1"] == 2
+    assert utils.unflatten_dict({"a/b": 1, "a/c/d": [1, 2]}) == {"a": {"b": 1, "c": {"d": [1, 2]}}}
+    assert utils.unflattened_lookup("a/c/d/0", nested) == 1
+    assert utils.unflattened_lookup("a/x", nested, default=None) is None
+    merged = utils.merge_dicts(nested, {"a": {"c": {"z": 3}}, "new": 1})
+    assert merged["a"] == {"b": 1, "c": {"d": [1, 2], "z": 3}} and merged["new"] == 1
+    assert "z" not in nested["a"]["c"], "merge_dicts changes neither"
+    with pytest.raises(KeyError, match="unknown config parameter"):
+        utils.deep_update({"a": 1}, {"b": 2})
+    with pytest.raises(ValueError, match="delimiter"):
+        utils.flatten_dict({"a/b": 1}, prevent_delimiter=True)
+    assert utils.validate_save_restore(Counter, {"x": 1}) and utils.validate_save_restore(Counter, {"x": 2})
+    with pytest.raises(TypeError):
+        utils.validate_save_restore(dict)

@@ -11,6 +11,7 @@ import time
 
 from unbroken import tune
 from unbroken.train import Callback, Checkpoint
+from unbroken.tune.result import SHOULD_CHECKPOINT
 
 BLOCK_ENV = "TUNE_TEST_BLOCK_DIR"
 ACTIVE_ENV = "TUNE_TEST_ACTIVE_DIR"
@@ -174,7 +175,8 @@ def gpu_env_loop(config: dict) -> None:
 
 class Counter(tune.Trainable):
     """A class trainable: each step adds x to a running total (score), for `iterations` steps
-    (then done=True). Its state is saved as a dict, or, with x == 2, as a file it writes. With
+    (then done=True); the steps listed in `ckpt_at` ask for a checkpoint (should_checkpoint).
+    Its state is saved as a dict, or, with x == 2, as a file it writes. With
     $TUNE_TEST_BLOCK_DIR holding a FIFO named after the trial, it prints "<trial> BLOCKING"
     after step `block_it` (default 3) was reported and blocks reading it."""
 
@@ -188,8 +190,11 @@ class Counter(tune.Trainable):
             with open(block) as f:
                 f.read()
         self.total += self.x
-        return {"score": self.total, "it": self.iteration + 1,
-                "done": self.iteration + 1 >= self.config.get("iterations", 6)}
+        out = {"score": self.total, "it": self.iteration + 1,
+               "done": self.iteration + 1 >= self.config.get("iterations", 6)}
+        if self.iteration + 1 in self.config.get("ckpt_at", ()):
+            out[SHOULD_CHECKPOINT] = True
+        return out
 
     def save_checkpoint(self, checkpoint_dir: str):
         if self.x == 2:

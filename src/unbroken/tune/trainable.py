@@ -5,7 +5,8 @@ A trial of a `Trainable` subclass runs `ClassRunner`, a function trainable that 
 object, loads the trial's latest committed checkpoint into it, then calls `step()` and
 reports each result as one row. A step saves a checkpoint every
 `CheckpointConfig.checkpoint_frequency` steps, when the driver asks for one (a preemption),
-and, unless `checkpoint_at_end=False`, with the result that says `done=True`. The checkpoint
+when the step's result says `should_checkpoint=True` (`tune.result.SHOULD_CHECKPOINT`), and,
+unless `checkpoint_at_end=False`, with the result that says `done=True`. The checkpoint
 holds what `save_checkpoint(checkpoint_dir)` wrote and `.trainable.json`: the step count and,
 when `save_checkpoint` returned a dict, that dict (then `load_checkpoint` gets the dict back,
 else the directory's path, as in Ray). A restore resumes at the step after the checkpoint's,
@@ -21,6 +22,7 @@ from typing import Any
 
 from unbroken import train
 from unbroken.train import Checkpoint
+from unbroken.tune.result import SHOULD_CHECKPOINT
 
 STATE_FILE = ".trainable.json"
 
@@ -69,17 +71,27 @@ class Trainable:
 
     @property
     def trial_name(self) -> str | None:
-        return train.get_context().get_trial_name()
+        return _in_trial("get_trial_name")
 
     @property
     def trial_id(self) -> str | None:
-        return train.get_context().get_trial_id()
+        return _in_trial("get_trial_id")
 
     @property
     def trial_dir(self) -> str | None:
-        return train.get_context().get_trial_dir()
+        return _in_trial("get_trial_dir")
 
     logdir = trial_dir
+
+
+def _in_trial(getter: str) -> str | None:
+    """What the trial's context says, or None for an object used outside a trial (as
+    `tune.utils.validate_save_restore` uses one)."""
+    try:
+        context = train.get_context()
+    except RuntimeError:
+        return None
+    return getattr(context, getter)()
 
 
 def is_trainable_class(value: Any) -> bool:
@@ -128,7 +140,7 @@ class ClassRunner:
             trainable._iteration += 1
             done = bool(result.get("done"))
             if ((self.frequency and trainable.iteration % self.frequency == 0) or context.should_checkpoint()
-                    or (done and self.at_end is not False)):
+                    or result.get(SHOULD_CHECKPOINT) or (done and self.at_end is not False)):
                 with tempfile.TemporaryDirectory(prefix="unbroken-trainable-") as directory:
                     self._save(trainable, directory)
                     train.report(result, checkpoint=Checkpoint.from_directory(directory))
