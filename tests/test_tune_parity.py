@@ -290,3 +290,28 @@ def test_tune_utils_helpers_behave_as_ray_s():
     assert utils.validate_save_restore(Counter, {"x": 1}) and utils.validate_save_restore(Counter, {"x": 2})
     with pytest.raises(TypeError):
         utils.validate_save_restore(dict)
+
+
+def named_loop(config: dict) -> None:
+    tune.report({"name": tune.get_context().get_trial_name(), "lr": config["lr"]})
+
+
+def test_trial_name_and_dirname_creators_name_trials_and_keep_their_directories_unique(storage):
+    tc = tune.TuneConfig(trial_name_creator=lambda t: f"T{int(t.trial_id[-5:])}-lr{t.config['lr']}",
+                         trial_dirname_creator=lambda t: f"lr={t.config['lr']}")
+    tuner = tune.Tuner(named_loop, param_space={"lr": tune.grid_search([0.1, 0.1, 0.2])}, tune_config=tc,
+                       run_config=RunConfig(name="named", storage_path=storage, verbose=0))
+    grid = tuner.fit()
+    path = os.path.join(storage, "named")
+    assert [r.trial_name for r in grid] == ["lr=0.1", "lr=0.1_00001", "lr=0.2"]
+    assert [r.metrics["name"] for r in grid] == ["T0-lr0.1", "T1-lr0.1", "T2-lr0.2"]
+    assert sorted(n for n in os.listdir(path) if not n.startswith(".")) == [r.trial_name for r in grid]
+    again = tune.Tuner.restore(path, named_loop).fit()
+    assert [r.trial_name for r in again] == [r.trial_name for r in grid], "recorded, not asked again"
+    bad = tune.Tuner(named_loop, param_space={"lr": 0.1},
+                     tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: "a/b"),
+                     run_config=RunConfig(name="bad", storage_path=storage, verbose=0))
+    with pytest.raises(ValueError, match="one path component.*Hint"):
+        bad.fit()
+    with pytest.raises(ValueError, match="function of the trial"):
+        tune.TuneConfig(trial_name_creator="T")

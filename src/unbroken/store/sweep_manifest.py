@@ -76,6 +76,7 @@ class TrialRecord:
     started_at: float | None = None
     ended_at: float | None = None
     results_seen: int = 0              # the last iteration the sweep callbacks were given (tune.callback)
+    title: str | None = None           # the name TuneConfig(trial_name_creator) gave it (tune.trial_naming)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)

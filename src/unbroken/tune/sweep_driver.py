@@ -52,6 +52,7 @@ from unbroken.tune.search.searcher import SearchContext, Searcher
 from unbroken.tune.sweep_events import SweepEvents, trial_id
 from unbroken.tune.sweep_stop import TrialStop, mark_stopped, unmark_stopped
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_run_config
+from unbroken.tune.trial_naming import TrialNaming
 from unbroken.tune.trial_process import LocalTrialProcess
 from unbroken.tune.trial_slots import TrialSlots, holding
 from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome, TrialPlaced
@@ -108,6 +109,7 @@ class SweepDriver:
     relaunching: dict[str, Callable[[], bool]] = field(default_factory=dict)  # queued after a lost driver
     ctx: SearchContext | None = None
     time_budget_s: float | None = None
+    naming: TrialNaming = field(default_factory=TrialNaming)
     events: SweepEvents | None = None  # callbacks, stop_all, the time budget (set by prepare)
     _t0: float = 0.0  # when execute() began (monotonic)
     _done_at_start: int = 0  # trials already done then
@@ -130,11 +132,14 @@ class SweepDriver:
     def _new_record(self, values: dict[str, Any], searcher_id: Any) -> TrialRecord:
         index = len(self.manifest.trials)
         try:
-            config = ss.spec(ss.resolve(self.space, values))
+            resolved = ss.resolve(self.space, values)
+            config = ss.spec(resolved)
         except UnbrokenError:
-            config = values
+            resolved = config = values
         record = TrialRecord(index=index, name=sw.trial_name(index), values=values, config=config,
                              searcher_id=searcher_id)
+        record.name, record.title = self.naming.names(index, trial_id(self.manifest, record), resolved,
+                                                      {t.name for t in self.manifest.trials})
         self.manifest.trials.append(record)
         return record
 
@@ -276,7 +281,8 @@ class SweepDriver:
             self._ended(record, sw.ERROR, f"{type(e).__name__}: {e}".splitlines()[0])
             return None
         url = self.storage.url(record.name)
-        info = {"trial_name": record.name, "trial_id": trial_id(self.manifest, record), "trial_dir": url}
+        info = {"trial_name": record.title or record.name, "trial_id": trial_id(self.manifest, record),
+                "trial_dir": url}
         env, gpus = engine_env(), self.gpus.take() if self.gpus is not None else None
         if gpus is not None:
             env[gpu_slots.ENV] = ",".join(gpus)

@@ -45,7 +45,7 @@ class SweepEvents:
         return [self.view(r) for r in self.manifest.trials]
 
     def view(self, record: TrialRecord) -> Trial:
-        return Trial(trial_id=trial_id(self.manifest, record), trial_name=record.name,
+        return Trial(trial_id=trial_id(self.manifest, record), trial_name=record.title or record.name,
                      config=record.config if isinstance(record.config, dict) else {}, status=record.status,
                      path=self.storage.url(record.name), last_result=self._last.get(record.name, {}),
                      error=record.error)

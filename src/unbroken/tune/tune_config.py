@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +24,9 @@ class TuneConfig:
     - `time_budget_s`: the sweep ends once sweep drivers have run it this many seconds (all
       fit() calls together; a number or a timedelta): running trials stop at their next
       report, and no trial starts after (see `unbroken.tune.sweep_stop`).
+    - `trial_name_creator`, `trial_dirname_creator`: functions of a `tune.Callback`'s
+      `Trial` view (id and config) that name a new trial (what `get_trial_name()` returns in
+      it) and its directory under the sweep (see `unbroken.tune.trial_naming`).
     - `seed`: the seed of random search (and of Optuna's default sampler). None: a random
       seed is drawn when the sweep starts and stored with it, so a restored sweep proposes
       what the uninterrupted one would have.
@@ -36,6 +40,8 @@ class TuneConfig:
     max_concurrent_trials: int | None = None
     seed: int | None = None
     time_budget_s: float | datetime.timedelta | None = None
+    trial_name_creator: Callable[[Any], str] | None = None
+    trial_dirname_creator: Callable[[Any], str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.time_budget_s, datetime.timedelta):
@@ -56,5 +62,9 @@ class TuneConfig:
                              f"{self.max_concurrent_trials!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"TuneConfig.seed must be None or an int, got {self.seed!r}")
+        for creator in ("trial_name_creator", "trial_dirname_creator"):
+            if getattr(self, creator) is not None and not callable(getattr(self, creator)):
+                raise ValueError(f"TuneConfig.{creator} must be a function of the trial, got "
+                                 f"{getattr(self, creator)!r}")
         if self.metric is not None and not isinstance(self.metric, str):
             raise ValueError(f"TuneConfig.metric must be a metric name, got {self.metric!r}")

@@ -57,6 +57,7 @@ from unbroken.tune.trial import (
     trainable_name,
     trial_scaling,
 )
+from unbroken.tune.trial_naming import TrialNaming
 from unbroken.tune.trial_slots import TrialSlots
 from unbroken.tune.tune_config import TuneConfig
 
@@ -189,6 +190,7 @@ class Tuner:
                 space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
                 metric=self.metric, mode=self.mode, concurrency=self._concurrency(total, slots, gpus),
                 total=total, verbose=rc.verbose, slots=slots, gpus=gpus, time_budget_s=tc.time_budget_s,
+                naming=TrialNaming(tc.trial_name_creator, tc.trial_dirname_creator),
                 on_ray=resolve_engine(trial_scaling(self.trainable)) == "ray")
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)
