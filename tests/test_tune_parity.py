@@ -315,3 +315,25 @@ def test_trial_name_and_dirname_creators_name_trials_and_keep_their_directories_
         bad.fit()
     with pytest.raises(ValueError, match="function of the trial"):
         tune.TuneConfig(trial_name_creator="T")
+
+
+class Opaque:
+    def __str__(self) -> str:
+        return "<opaque>"
+
+
+def unjsonable_loop(config: dict) -> dict:
+    tune.report({"arr": np.arange(3), "half": np.float32(0.5), "n": np.int64(7), "obj": Opaque(),
+                 "nested": {"flag": np.bool_(True), "s": {1, 2}}})
+    return {"done_with": Opaque()}
+
+
+def test_a_trial_records_values_json_cannot_hold_as_tune_does(storage):
+    grid = tune.Tuner(unjsonable_loop, param_space={},
+                      run_config=RunConfig(name="unjson", storage_path=storage, verbose=0)).fit()
+    result = grid[0]
+    assert result.trial_status == "TERMINATED" and result.error is None
+    first, last = result.rows
+    assert (first["arr"], first["half"], first["n"], first["obj"]) == ([0, 1, 2], 0.5, 7, "<opaque>")
+    assert first["nested"] == {"flag": True, "s": "{1, 2}"}
+    assert result.metrics["done_with"] == "<opaque>"

@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import math
+import numbers
 import os
 from typing import Any
 
@@ -46,6 +47,37 @@ def check_json_metrics(metrics: Any) -> None:
             raise MetricsNotSerializableError(
                 f"metric {key!r} = {value!r} ({type(value).__name__}) is not JSON-serializable. "
                 "Hint: report plain numbers, e.g. loss.item() instead of a tensor") from None
+
+
+def as_tune_records(metrics: Any) -> dict[str, Any]:
+    """`metrics` as a sweep's trial records them, as Ray Tune does: a value JSON cannot hold is
+    not an error; numpy and torch numbers and arrays become numbers and lists, anything else
+    its string (`str(value)`), nested values too."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"train.report(metrics) needs a dict, got {type(metrics).__name__}")
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metric names must be strings, got {key!r}")
+        try:
+            json.dumps(value, allow_nan=True)
+            out[key] = value
+        except (TypeError, ValueError):
+            out[key] = json.loads(json.dumps(value, allow_nan=True, default=_tune_fallback))
+    return out
+
+
+def _tune_fallback(value: Any) -> Any:
+    if callable(getattr(value, "tolist", None)):  # numpy and torch arrays and scalars
+        try:
+            return value.tolist()
+        except Exception:  # anything that fails is recorded as its string
+            return str(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Number):
+        return float(value) if isinstance(value, numbers.Real) else str(value)
+    return str(value)
 
 
 def _sanitize(value: Any) -> Any:
