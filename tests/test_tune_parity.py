@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import attempts, fifo, kill_and_reap, read_until, run_script, start_script, statuses, sweep_json
-from tune_loops import BLOCK_ENV, Counter, tune_loop
+from tune_loops import ACTIVE_ENV, BLOCK_ENV, Counter, max_running, tune_loop
 from unbroken import tune
 from unbroken.errors import SearchSpaceError
 from unbroken.train import CheckpointConfig, FailureConfig, RunConfig, TrainingFailedError
@@ -337,3 +337,30 @@ def test_a_trial_records_values_json_cannot_hold_as_tune_does(storage):
     assert (first["arr"], first["half"], first["n"], first["obj"]) == ([0, 1, 2], 0.5, 7, "<opaque>")
     assert first["nested"] == {"flag": True, "s": "{1, 2}"}
     assert result.metrics["done_with"] == "<opaque>"
+
+
+# -- search algorithms ------------------------------------------------------------------------------
+
+def test_a_concurrency_limiter_runs_at_most_its_limit_and_may_change_on_restore(storage, tmp_path,
+                                                                               monkeypatch):
+    from unbroken.tune.search import BasicVariantGenerator, ConcurrencyLimiter, OptunaSearch
+
+    active = str(tmp_path / "active")
+    monkeypatch.setenv(ACTIVE_ENV, active)
+    space = {"x": tune.randint(1, 5), "iterations": 3, "step_s": 0.02}
+    limited = ConcurrencyLimiter(BasicVariantGenerator(), max_concurrent=1)
+    grid = tune.Tuner(tune_loop, param_space=space,
+                      tune_config=tune.TuneConfig(num_samples=3, search_alg=limited, max_concurrent_trials=3),
+                      run_config=RunConfig(name="limited", storage_path=storage, verbose=0)).fit()
+    assert grid.num_terminated == 3 and max_running(active) == 1
+    wider = ConcurrencyLimiter(BasicVariantGenerator(), max_concurrent=2)
+    again = tune.Tuner.restore(os.path.join(storage, "limited"), tune_loop,
+                               tune_config=tune.TuneConfig(num_samples=4, search_alg=wider)).fit()
+    assert again.num_terminated == 4, "the limit is not part of the sweep's identity"
+    optuna_grid = tune.Tuner(tune_loop, param_space=space, tune_config=tune.TuneConfig(
+        num_samples=3, metric="score", mode="max",
+        search_alg=ConcurrencyLimiter(OptunaSearch(), max_concurrent=1)),
+        run_config=RunConfig(name="optuna-limited", storage_path=storage, verbose=0)).fit()
+    assert optuna_grid.num_terminated == 3
+    with pytest.raises(ValueError, match="max_concurrent"):
+        ConcurrencyLimiter(BasicVariantGenerator(), max_concurrent=0)

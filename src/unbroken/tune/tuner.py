@@ -238,11 +238,13 @@ class Tuner:
         return gpus
 
     def _concurrency(self, total: int, slots: TrialSlots | None, gpus: GpuSlots | None = None) -> int:
-        """How many trials run at once: max_concurrent_trials (all, by default), and on the
+        """How many trials run at once: max_concurrent_trials (all, by default) and a
+        ConcurrencyLimiter's max_concurrent, and on the
         local engine no more than this machine's CPUs (and GPUs, when trials take them) hold
         (on a Ray cluster `slots` decides as the trials run)."""
+        limit = self._searcher.max_concurrent or total  # a ConcurrencyLimiter's
         if slots is not None:
-            return max(1, min(self.tune_config.max_concurrent_trials or total, total))
+            return max(1, min(self.tune_config.max_concurrent_trials or total, total, limit))
         try:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
@@ -254,7 +256,7 @@ class Tuner:
         if wanted > by_cpus:
             log.info("sweep %s: max_concurrent_trials=%d, but %d CPU(s) fit only %d trial(s) at once",
                      self.run_config.name, wanted, cpus, by_cpus)
-        return max(1, min(wanted, by_cpus, max(total, 1)))
+        return max(1, min(wanted, by_cpus, max(total, 1), limit))
 
     def _seed(self) -> tuple[int, bool]:
         given = self._seed_given()

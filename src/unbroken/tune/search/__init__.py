@@ -5,10 +5,12 @@
   kept as a journal inside the sweep directory (needs `pip install 'unbroken[tune]'`; optuna
   is imported only when a sweep uses it). Also importable as
   `unbroken.tune.search.optuna.OptunaSearch`, as in Ray.
+- `ConcurrencyLimiter(searcher, max_concurrent)`: at most that many of its trials at once.
 """
 
 from unbroken.tune.search.basic_variant import BasicVariantGenerator
+from unbroken.tune.search.concurrency_limiter import ConcurrencyLimiter
 from unbroken.tune.search.optuna import OptunaSearch
 from unbroken.tune.search.searcher import Searcher
 
-__all__ = ["BasicVariantGenerator", "OptunaSearch", "Searcher"]
+__all__ = ["BasicVariantGenerator", "ConcurrencyLimiter", "OptunaSearch", "Searcher"]

@@ -39,6 +39,8 @@ class Searcher:
 
     #: True when every trial can be proposed when the sweep starts (no feedback needed).
     upfront = False
+    #: At most this many of its trials run at once (None: no limit of its own).
+    max_concurrent: int | None = None
 
     def describe(self) -> dict[str, Any]:
         """JSON: what makes this searcher propose what it proposes (part of the sweep's identity)."""
