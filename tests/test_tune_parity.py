@@ -364,3 +364,52 @@ def test_a_concurrency_limiter_runs_at_most_its_limit_and_may_change_on_restore(
     assert optuna_grid.num_terminated == 3
     with pytest.raises(ValueError, match="max_concurrent"):
         ConcurrencyLimiter(BasicVariantGenerator(), max_concurrent=0)
+
+
+def define_by_run(trial) -> dict:
+    trial.suggest_float("x", 0.5, 2.0)
+    if trial.suggest_categorical("deep", [True, False]):
+        trial.suggest_int("opt/layers", 2, 4)
+    return {"iterations": 2}
+
+
+def test_optuna_define_by_run_and_multi_objective_studies_run_and_resume(storage):
+    import optuna
+
+    from unbroken.store.storage import Storage
+    from unbroken.tune.search import OptunaSearch
+    from unbroken.tune.search.optuna_journal import study_storage
+
+    def tuner(samples):
+        return tune.Tuner(tune_loop, param_space={"y": 0.25}, tune_config=tune.TuneConfig(
+            num_samples=samples, seed=3, metric="score", mode="max",
+            search_alg=OptunaSearch(space=define_by_run)),
+            run_config=RunConfig(name="dbr", storage_path=storage, verbose=0))
+
+    grid = tuner(3).fit()
+    for r in grid:
+        assert set(r.config) >= {"x", "deep", "iterations", "y"} and 0.5 <= r.config["x"] <= 2.0
+        assert r.config["iterations"] == 2 and r.metrics["it"] == 2 and r.config["y"] == 0.25
+        assert ("opt" in r.config) == r.config["deep"]
+        assert not r.config["deep"] or 2 <= r.config["opt"]["layers"] <= 4
+        assert r.metrics["score"] == pytest.approx(r.config["x"] * 2 + 0.25)
+    more = tune.Tuner.restore(os.path.join(storage, "dbr"), tune_loop,
+                              tune_config=tune.TuneConfig(num_samples=5)).fit()
+    assert [r.config for r in more][:3] == [r.config for r in grid] and len(more) == 5
+    with pytest.raises(SearchSpaceError, match="one of the two"):
+        tune.Tuner(tune_loop, param_space={"x": tune.uniform(0, 1)}, tune_config=tune.TuneConfig(
+            num_samples=1, search_alg=OptunaSearch(space=define_by_run, metric="score", mode="max")),
+            run_config=RunConfig(name="both", storage_path=storage, verbose=0)).fit()
+
+    multi = OptunaSearch(space={"x": optuna.distributions.FloatDistribution(0.5, 2.0)},
+                         metric=["score", "it"], mode=["max", "min"])
+    grid = tune.Tuner(tune_loop, param_space={"iterations": 2}, tune_config=tune.TuneConfig(
+        num_samples=3, seed=3, search_alg=multi),
+        run_config=RunConfig(name="multi", storage_path=storage, verbose=0)).fit()
+    assert grid.num_terminated == 3
+    study = optuna.load_study(study_name="multi",
+                              storage=study_storage(Storage.from_url(os.path.join(storage, "multi")), optuna))
+    assert len(study.directions) == 2
+    assert sorted(t.values[0] for t in study.trials) == sorted(r.metrics["score"] for r in grid)
+    with pytest.raises(ValueError, match="same length"):
+        OptunaSearch(metric=["a", "b"], mode="min")

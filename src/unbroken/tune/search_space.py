@@ -137,7 +137,9 @@ def sample(space: dict[str, Any], seed: int, index: int, num_grid: int | None = 
 
 def resolve(space: dict[str, Any], values: dict[str, Any], drawing: bool = False) -> dict[str, Any]:
     """The trial config: `space` with each domain and grid replaced by its stored value
-    (`drawing`: a `sample_from` not drawn yet is left as it is)."""
+    (`drawing`: a `sample_from` not drawn yet is left as it is). A stored value at a path that
+    is no leaf of `space` is a value a searcher chose itself (Optuna's define-by-run): it is
+    set at that path."""
 
     def walk(node: dict, prefix: tuple[str, ...]) -> dict:
         out = {}
@@ -162,7 +164,16 @@ def resolve(space: dict[str, Any], values: dict[str, Any], drawing: bool = False
                 out[key] = value
         return out
 
-    return walk(space, ())
+    config = walk(space, ())
+    own = {p for p, _ in leaves(space)} if values else set()
+    for path, value in values.items():
+        if path not in own:
+            *parents, last = path.split(SEP)
+            node = config
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = value
+    return config
 
 
 def spec(space: Any) -> Any:

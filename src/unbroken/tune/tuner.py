@@ -361,7 +361,7 @@ def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: ASHAScheduler | 
         for attr in ("metric", "mode"):
             value = getattr(owner, attr, None)
             current = metric if attr == "metric" else mode
-            if value is None:
+            if value is None or isinstance(value, list):  # a list: a multi-objective searcher's own
                 continue
             if current is not None and value != current:
                 raise ValueError(f"{type(owner).__name__}({attr}={value!r}) disagrees with "

@@ -28,6 +28,7 @@ from unbroken.tune.search.searcher import SearchContext, Searcher, derive_seed
 
 TRIAL_ATTR = "unbroken_trial"
 RERUN_ATTR = "unbroken_rerun"
+CONSTANTS_ATTR = "unbroken_constants"  # what a define-by-run function returned for a trial
 
 
 def _import_optuna() -> Any:
@@ -55,18 +56,40 @@ class OptunaSearch(Searcher):
     and the trial index, which makes a restored sweep propose what an uninterrupted one
     would (given the same finished trials). A sampler of your own is used as it is.
     `study_name` defaults to the sweep's name.
+
+    `space`, as in Ray, instead of the param_space's domains: a dict of Optuna distributions
+    by parameter name, or a define-by-run function `space(trial)` that calls
+    `trial.suggest_*` and may return a dict of constants for the config. Its parameters go
+    into each trial's config at their names ("a/b" is `config["a"]["b"]`), beside the
+    param_space's constants. `metric` and `mode` as lists (`["loss", "acc"]`, `["min",
+    "max"]`) make the study multi-objective; the sweep's own metric (for its best result)
+    stays TuneConfig's.
     """
 
-    metric: str | None = None
-    mode: str | None = None
+    space: Any = None
+    metric: str | list[str] | None = None
+    mode: str | list[str] | None = None
+    points_to_evaluate: list[dict[str, Any]] | None = None
     sampler: Any = None
     study_name: str | None = None
 
     upfront = False
 
     def __post_init__(self) -> None:
-        if self.mode not in (None, "min", "max"):
-            raise ValueError(f"OptunaSearch mode must be 'min' or 'max', got {self.mode!r}")
+        modes = self.mode if isinstance(self.mode, list) else [self.mode]
+        if any(m not in (None, "min", "max") for m in modes):
+            raise ValueError(f"OptunaSearch mode must be 'min' or 'max' (or a list of them), got "
+                             f"{self.mode!r}")
+        if isinstance(self.metric, list) != isinstance(self.mode, list) or (
+                isinstance(self.metric, list) and len(self.metric) != len(self.mode)):
+            raise ValueError(f"OptunaSearch with several objectives needs a metric list and a mode list "
+                             f"of the same length, got metric={self.metric!r}, mode={self.mode!r}")
+        if self.space is not None and not (callable(self.space) or isinstance(self.space, dict)):
+            raise ValueError(f"OptunaSearch space must be a dict of Optuna distributions or a define-by-run "
+                             f"function of the trial, got {self.space!r}")
+        if self.points_to_evaluate:
+            raise ValueError("OptunaSearch(points_to_evaluate=...) is not supported. Hint: run those "
+                             "configs as a sweep of their own (grid_search over them)")
         self._study: Any = None
         self._dists: dict[str, Any] = {}
         self._leaves: dict[str, Any] = {}
@@ -78,10 +101,20 @@ class OptunaSearch(Searcher):
 
     def describe(self) -> dict[str, Any]:
         sampler = None if self.sampler is None else type(self.sampler).__qualname__
-        return {"kind": "optuna", "sampler": sampler, "study_name": self.study_name}
+        out = {"kind": "optuna", "sampler": sampler, "study_name": self.study_name}
+        if self.space is not None:
+            function = f"{getattr(self.space, '__module__', '')}.{getattr(self.space, '__qualname__', '')}"
+            out["space"] = function if callable(self.space) else sorted(self.space)
+        if isinstance(self.metric, list):
+            out["objectives"] = list(zip(self.metric, self.mode, strict=True))
+        return out
 
     def total(self, space: dict[str, Any], num_samples: int) -> int:
         for path, leaf in ss.leaves(space):
+            if self.space is not None:
+                raise SearchSpaceError(
+                    f"OptunaSearch(space=...) proposes the parameters itself, and the param_space has a "
+                    f"search-space value at {path!r}. Hint: put every parameter in one of the two")
             if isinstance(leaf, ss.GridSearch):
                 raise SearchSpaceError(
                     f"OptunaSearch cannot run grid_search (param_space[{path!r}]). Hint: use "
@@ -90,6 +123,8 @@ class OptunaSearch(Searcher):
 
     def check(self, storage: Storage, metric: str | None, mode: str | None) -> None:
         _import_optuna()
+        if isinstance(self.metric, list):
+            return
         if metric is None or mode is None:
             raise ValueError("OptunaSearch needs a metric and a mode. Hint: TuneConfig(metric='loss', "
                              "mode='min') or OptunaSearch(metric=..., mode=...)")
@@ -100,15 +135,19 @@ class OptunaSearch(Searcher):
         self.check(ctx.storage, ctx.metric, ctx.mode)
         self._leaves = dict(ss.leaves(ctx.space))
         self._dists = {path: _distribution(path, leaf, optuna) for path, leaf in self._leaves.items()}
+        if isinstance(self.space, dict):
+            self._dists = dict(self.space)
+        modes = self.mode if isinstance(self.mode, list) else [ctx.mode]
         self._study = optuna.create_study(
             storage=study_storage(ctx.storage, optuna), study_name=self.study_name or ctx.name,
-            direction="maximize" if ctx.mode == "max" else "minimize", sampler=self.sampler,
+            directions=["maximize" if m == "max" else "minimize" for m in modes], sampler=self.sampler,
             load_if_exists=True)
         known = {r.searcher_id for r in records if r.searcher_id is not None}
         running = optuna.trial.TrialState.RUNNING
         orphans = [t for t in self._study.get_trials(deepcopy=False)
                    if t.state == running and t.number not in known and RERUN_ATTR not in t.user_attrs]
-        return [(self._stored(t.params), t.number) for t in sorted(orphans, key=lambda t: t.number)]
+        return [(self._stored(t.params, t.user_attrs.get(CONSTANTS_ATTR)), t.number)
+                for t in sorted(orphans, key=lambda t: t.number)]
 
     def close(self) -> None:
         self._study = None
@@ -117,23 +156,33 @@ class OptunaSearch(Searcher):
         optuna = _import_optuna()
         if self.sampler is None:
             self._study.sampler = optuna.samplers.TPESampler(seed=derive_seed(ctx.seed, index))
-        trial = self._study.ask(self._dists)
+        if callable(self.space):  # define-by-run: the function suggests the parameters
+            trial = self._study.ask()
+            constants = self.space(trial) or {}
+            if not isinstance(constants, dict):
+                raise TypeError(f"OptunaSearch's define-by-run function returned {constants!r}. Hint: "
+                                "return None, or a dict of constants for the config")
+            trial.set_user_attr(CONSTANTS_ATTR, constants)
+        else:
+            trial, constants = self._study.ask(self._dists), None
         trial.set_user_attr(TRIAL_ATTR, trial_name(index))
-        return self._stored(trial.params), trial.number
+        return self._stored(trial.params, constants), trial.number
 
     def on_trial_complete(self, ctx: SearchContext, record: TrialRecord, metrics: dict[str, Any] | None,
                           error: bool) -> None:
         optuna = _import_optuna()
         states = optuna.trial.TrialState
-        value = (metrics or {}).get(ctx.metric)
-        ok = not error and isinstance(value, (int, float)) and math.isfinite(value)
+        names = self.metric if isinstance(self.metric, list) else [ctx.metric]
+        values = [(metrics or {}).get(name) for name in names]
+        ok = not error and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
         state = states.COMPLETE if ok else states.FAIL
+        value = ([float(v) for v in values] if len(values) > 1 else float(values[0])) if ok else None
         trials = self._study.get_trials(deepcopy=False)
         frozen = next((t for t in trials if t.number == record.searcher_id), None)
         if frozen is None:
             return
         if frozen.state == states.RUNNING:
-            self._study.tell(frozen.number, float(value) if ok else None, state=state)
+            self._study.tell(frozen.number, value, state=state)
             return
         if record.reruns == 0:
             return  # told already (this is a repeated call after a crash)
@@ -143,11 +192,15 @@ class OptunaSearch(Searcher):
         if any(t.user_attrs.get(RERUN_ATTR) == tag for t in trials):
             return
         self._study.add_trial(optuna.trial.create_trial(
-            params=frozen.params, distributions=frozen.distributions, value=float(value) if ok else None,
-            state=state, user_attrs={TRIAL_ATTR: record.name, RERUN_ATTR: tag}))
+            params=frozen.params, distributions=frozen.distributions,
+            **({"values": value} if isinstance(value, list) else {"value": value}),
+            state=state, user_attrs={**frozen.user_attrs, TRIAL_ATTR: record.name, RERUN_ATTR: tag}))
 
-    def _stored(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Optuna parameters as the sweep's stored values (choice: the index)."""
+    def _stored(self, params: dict[str, Any], constants: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Optuna parameters as the sweep's stored values (choice: the index); with `space`,
+        the parameters (and the define-by-run function's constants) as they are."""
+        if self.space is not None:
+            return {**params, **(constants or {})}
         return {path: params[path] for path in self._leaves}
 
 
