@@ -378,3 +378,29 @@ def test_two_drivers_claiming_a_lease_at_once_on_local_disk_one_wins(tmp_path, l
         assert f"pid {procs[0].pid}" in outcomes[0] or f"pid {procs[1].pid}" in outcomes[0], \
             f"the refusal names the holder: {outcomes[0]}"
         assert not [n for n in os.listdir(root / ".unbroken") if ".tmp-" in n], "no temp file left"
+
+
+def test_a_run_killed_after_the_report_that_met_its_stop_is_finished_not_run_further(tmp_path):
+    """The driver died after the report that met RunConfig.stop (its checkpoint committed) and
+    before run.json said FINISHED: a restore finishes the run there, with no new attempt and no
+    iteration past the stop (the uninterrupted run's end)."""
+    from tune_loops import tune_loop
+    from unbroken.train import DataParallelTrainer
+    from unbroken.train import RunConfig as Config
+
+    def trainer():
+        return DataParallelTrainer(tune_loop, train_loop_config={"iterations": 8},
+                                   run_config=Config(name="stopped", storage_path=str(tmp_path), verbose=0,
+                                                     stop={"training_iteration": 3}))
+
+    first = trainer().fit()
+    manifest_path = os.path.join(first.path, ".unbroken", "run.json")
+    manifest = json.load(open(manifest_path))
+    manifest["status"] = manifest["attempts"][-1]["status"] = "RUNNING"  # as its killed driver left it
+    manifest["attempts"][-1].pop("ended_at", None)
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    again = trainer().fit()
+    attempts = json.load(open(manifest_path))["attempts"]
+    assert [a["status"] for a in attempts] == ["ABORTED"] and again.metrics["training_iteration"] == 3
+    assert [r["training_iteration"] for r in again.rows] == [1, 2, 3]

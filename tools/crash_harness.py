@@ -58,8 +58,11 @@ Invariants checked at every launch and at the end of each trial:
     record, VALIDATED on its own intact files (or failed because a kill-worker launch killed
     that validation process), and retention never deleted one still pending.
 
+With --sweep, the harness of sweeps runs instead (tools/sweep_harness.py: a population-based
+training sweep's driver killed at random moments and at `before_trial_record`).
+
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
-        [--jit] [--in-place] [--data] [--elastic] [--strike] [--max-kills N]
+        [--jit] [--in-place] [--data] [--elastic] [--sweep] [--strike] [--max-kills N]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -1040,10 +1043,18 @@ def main(argv: list[str] | None = None) -> int:
                              "over a stateful IterableDataset, one worker process prefetching)")
     parser.add_argument("--ray", action="store_true",
                         help="run the workers on a local 2-node Ray cluster (the Ray engine)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="kill a population-based training sweep's driver instead "
+                             "(tools/sweep_harness.py)")
     parser.add_argument("--elastic", action="store_true",
                         help="an elastic run, num_workers=(2, 3), on a local 3-node Ray cluster that "
                              "loses nodes for good and gets them back among the faults")
     args = parser.parse_args(argv)
+    if args.sweep:
+        import sweep_harness
+
+        return sweep_harness.main(["--trials", str(args.trials), *(["--json"] if args.json else []),
+                                   *(["--seed", str(args.seed)] if args.seed is not None else [])])
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves
     JIT[0] = args.jit or args.in_place or args.data

@@ -123,3 +123,15 @@ def test_random_kills_with_a_streaming_loader():
 @pytest.mark.slow
 def test_random_kills_with_a_streaming_loader_recovered_in_place_soak():
     check(run_harness(60, "--data", "--in-place"), 60, commit_kills=0, restores=0)
+
+
+def test_a_pbt_sweep_killed_at_random_moments_ends_as_if_it_never_stopped():
+    # The sweep driver is SIGKILLed after random reports and between a trial's end and its
+    # record (before_trial_record), where a trial that finished at its own stop on a
+    # perturbation point looks paused; no trial may run past its stop, or decide otherwise.
+    check(run_harness(4, "--sweep"), 4, commit_kills=0, restores=2)
+
+
+@pytest.mark.slow
+def test_a_pbt_sweep_killed_at_random_moments_soak():
+    check(run_harness(60, "--sweep"), 60, commit_kills=0)

@@ -292,6 +292,19 @@ def stop_due_at(stop: Any) -> int | None:
     return verdict_from() if callable(verdict_from) else None
 
 
+def stop_met_at_resume(stop: Any, row: dict[str, Any]) -> bool:
+    """Whether a run that resumes from the checkpoint of `row` had already met `RunConfig.stop`
+    there (its driver died after that last report and before the run was recorded as
+    finished): then it is finished, and runs no further iteration. A stopper of a sweep says
+    with its `met_at_resume(row)`; one that cannot say is not asked."""
+    if isinstance(stop, dict):
+        return stop_met(stop, row)
+    met_at_resume = getattr(stop, "met_at_resume", None)
+    if callable(met_at_resume):
+        return bool(met_at_resume(row))
+    return False
+
+
 def stop_met(stop: Any, row: dict[str, Any]) -> bool:
     """`RunConfig.stop`'s meaning for a metric row: a callable's verdict, or any
     `key >= threshold` of a dict."""

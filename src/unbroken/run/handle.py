@@ -9,7 +9,7 @@ import time
 import traceback
 from typing import Any
 
-from unbroken.core.config import CheckpointConfig
+from unbroken.core.config import CheckpointConfig, stop_met_at_resume
 from unbroken.run.callbacks import CallbackList
 from unbroken.run.stragglers import Stragglers
 from unbroken.store import manifest as mf
@@ -62,6 +62,24 @@ class Run:
         return token
 
     # -- attempts -----------------------------------------------------------------------
+    def finished_at_stop(self, stop: Any) -> bool:
+        """Record the run as FINISHED, with no new attempt, when the checkpoint it would resume
+        from had met `stop` (see `config.stop_met_at_resume`); whether it did."""
+        self.lease.beat()
+        resume = self.checkpoints.recover()
+        if resume is None or not stop_met_at_resume(stop, resume.metrics):
+            return False
+        self._abort_unended()
+        log.info("run %s: its checkpoint %s met RunConfig.stop; the run is finished", self.path, resume.name)
+        self.finish(mf.FINISHED)
+        return True
+
+    def _abort_unended(self) -> None:
+        for earlier in self.manifest.attempts:
+            if earlier.status == mf.RUNNING:  # its driver died without recording an end
+                earlier.status = mf.ABORTED
+                earlier.error = earlier.error or "the driver stopped without recording an end (killed?)"
+
     def begin_attempt(self, num_workers: int, elastic: dict[str, Any] | None = None,
                       in_place: dict[str, Any] | None = None) -> Marker | None:
         """Start a new attempt from the newest committed checkpoint; returns its marker.
@@ -71,10 +89,7 @@ class Run:
         self.lease.beat()
         resume = self.checkpoints.recover()
         self.checkpoints.retain()
-        for earlier in self.manifest.attempts:
-            if earlier.status == mf.RUNNING:  # its driver died without recording an end
-                earlier.status = mf.ABORTED
-                earlier.error = earlier.error or "the driver stopped without recording an end (killed?)"
+        self._abort_unended()
         base = resume.metrics if resume else {}
         if in_place is not None:
             base = self.history.last or {}  # the row of the round it resumes from

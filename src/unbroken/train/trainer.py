@@ -83,6 +83,8 @@ class BaseTrainer:
         if finished is not None:
             return finished
         run.fit_started_at = started
+        if run.finished_at_stop(self.run_config.stop):
+            return Result.from_path(run.path, self.run_config.storage_filesystem)
         hint = restore_hint(type(self), run.path)
         run.callbacks = callbacks.bind(run)
         Controller(self, run, hint, group_factory=make_worker_group,

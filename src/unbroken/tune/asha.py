@@ -32,7 +32,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from unbroken.core.config import stop_due_at, stop_met
+from unbroken.core.config import stop_due_at, stop_met, stop_met_at_resume
 from unbroken.store import storage_lock
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
@@ -185,6 +185,17 @@ class TrialStopper:
                  if m not in self._recorded and m > self._last_t]
         ours = math.ceil(min(rungs + [sched.max_t]))
         return ours if user is None else min(ours, user)
+
+    def met_at_resume(self, row: dict[str, Any]) -> bool:
+        """The trial's own stop at the row it resumes from, or a stop decision recorded for it
+        (it was stopped there), or max_t reached."""
+        if stop_met_at_resume(self.user_stop, row):
+            return True
+        if self.scheduler is None:
+            return False
+        t = row.get(self.scheduler.time_attr)
+        reached = _number(t) and t >= self.scheduler.max_t
+        return reached or read_decision(self.storage, self.trial) is not None
 
     def __call__(self, row: dict[str, Any]) -> bool:
         if stop_met(self.user_stop, row):

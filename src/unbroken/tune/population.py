@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.core import faults
-from unbroken.core.config import stop_due_at, stop_met
+from unbroken.core.config import stop_due_at, stop_met, stop_met_at_resume
 from unbroken.errors import TornCheckpointError
 from unbroken.store import commit, history
 from unbroken.store import manifest as mf
@@ -114,6 +114,11 @@ class PBTStopper:
                                 self.scheduler)
         ours = math.ceil(self._state["next"])
         return ours if user is None else min(ours, user)
+
+    def met_at_resume(self, row: dict[str, Any]) -> bool:
+        """The trial's own stop, at the row it resumes from (a pause there is the sweep
+        driver's to catch up: `Population.catch_up`)."""
+        return stop_met_at_resume(self.user_stop, row)
 
     def __call__(self, row: dict[str, Any]) -> bool:
         if stop_met(self.user_stop, row):

@@ -23,7 +23,7 @@ import json
 import time
 from typing import Any
 
-from unbroken.core.config import stop_met
+from unbroken.core.config import stop_met, stop_met_at_resume
 from unbroken.store import history
 from unbroken.store.manifest_base import META_DIR
 from unbroken.store.storage import Storage
@@ -87,6 +87,15 @@ class TrialStop:
             self._rebuild(iteration)
         self._last = iteration
         return bool(self._live(self.trial_id, row))
+
+    def met_at_resume(self, row: dict[str, Any]) -> bool:
+        """Whether the trial had stopped at the row it resumes from: the sweep has ended, or the
+        user's stop says so there (a stopper asked as its copy would have been)."""
+        if self._sweep().exists(STOPPED_MARKER):
+            return True
+        if isinstance(self.stop, dict) or not callable(self.stop):
+            return stop_met_at_resume(self.stop, row)
+        return self(row)
 
     def _rebuild(self, iteration: Any) -> None:
         """A pristine copy of the stopper, asked about this trial's rows before `iteration`."""

@@ -1,0 +1,220 @@
+"""Crash harness, sweep mode (`crash_harness.py --sweep`): kill a population-based training
+sweep's driver at random moments and check that the sweep ends as if it had never stopped.
+
+Each trial runs a real PBT sweep (4 trials, synchronous PBT with a perturbation point every 2
+iterations, every trial stopped by `RunConfig(stop={"training_iteration": 6})`, a point
+too, a checkpoint at each report) in a driver process of its own. Each launch of the driver
+is one of:
+  - SIGKILL the sweep driver after a random number of reported rows;
+  - the fault point `before_trial_record` (`unbroken.core.faults`): the sweep driver is
+    killed when a trial's process has ended and sweep.json does not say how yet, the n-th
+    time for a random n; a trial that finished at its own stop, on a perturbation point,
+    then looks like a trial paused there.
+The sweep is then run again by the same script (auto-resume by name) until it prints its
+result.
+
+Invariants checked at the end of each trial:
+  - every launch ends by the kill we injected, or finishes the sweep;
+  - the sweep's result (each trial's lr, score and step) equals the uninterrupted sweep's;
+  - a finished trial never runs again: no trial has a row past its stop, in any attempt;
+  - each trial's history has each iteration once, 1 to 6;
+  - each trial's lineage (its exploits) equals the uninterrupted sweep's;
+  - sweep.json says FINISHED, every trial TERMINATED.
+
+Usage:  python tools/sweep_harness.py --trials 10 [--seed N] [--json]
+Exit status 0 when no invariant was violated, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+STOP_AT = 6
+MAX_LAUNCHES = 40
+
+DRIVER = """
+import sys
+from sweep_harness import pbt_loop
+from unbroken import tune
+from unbroken.train import RunConfig
+from unbroken.tune.schedulers import PopulationBasedTraining
+
+pbt = PopulationBasedTraining(perturbation_interval=2, quantile_fraction=0.25, resample_probability=0.25,
+                              hyperparam_mutations={"lr": [0.1, 0.2, 0.3, 0.4, 0.5]}, synch=True)
+grid = tune.Tuner(pbt_loop, param_space={"lr": tune.grid_search([0.1, 0.2, 0.3, 0.4]), "iterations": 8},
+                  tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=pbt, seed=3),
+                  run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1], verbose=0,
+                                       stop={"training_iteration": STOP_AT})).fit()
+print("DONE", [(r.config["lr"], round(r.metrics["score"], 9), r.metrics["step"]) for r in grid], flush=True)
+""".replace("STOP_AT", str(STOP_AT))
+
+
+def pbt_loop(config: dict) -> None:
+    """w grows by lr each step (from the checkpoint it resumes, its own or a donor's); a
+    checkpoint at every report; prints REPORTED after each, for the harness to count."""
+    import tempfile as tmp
+
+    from unbroken import tune
+    from unbroken.train import Checkpoint
+
+    step, w = 0, 0.0
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+            saved = json.load(f)
+        step, w = saved["step"], saved["w"]
+    for it in range(step + 1, config["iterations"] + 1):
+        w += config["lr"]
+        with tmp.TemporaryDirectory() as d:
+            with open(os.path.join(d, "state.json"), "w") as f:
+                json.dump({"step": it, "w": w}, f)
+            tune.report({"score": w, "step": it}, checkpoint=Checkpoint.from_directory(d))
+        print("REPORTED", flush=True)
+
+
+def _env(fault: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("UNBROKEN_FAULT", None)
+    if fault:
+        env["UNBROKEN_FAULT"] = fault
+    return env
+
+
+def _done(out: str) -> str | None:
+    return next((line for line in out.splitlines() if line.startswith("DONE")), None)
+
+
+def _lineage(path: str, trial: str) -> list[dict[str, Any]]:
+    rel = os.path.join(path, trial, ".unbroken", "pbt.json")
+    return json.load(open(rel)) if os.path.exists(rel) else []
+
+
+def _rows(path: str, trial: str) -> list[dict[str, Any]]:
+    rel = os.path.join(path, trial, "result.json")
+    return [json.loads(line) for line in open(rel) if line.strip()] if os.path.exists(rel) else []
+
+
+class SweepHarness:
+    def __init__(self, seed: int, workdir: str) -> None:
+        self.rng = random.Random(seed)
+        self.workdir = workdir
+        self.counts: Counter[str] = Counter()
+        self.violations: list[str] = []
+        self.done = ""
+        self.lineages: dict[str, list] = {}
+
+    def reference(self) -> None:
+        out = subprocess.run([sys.executable, "-c", DRIVER, self.workdir, "reference"], env=_env(),
+                             capture_output=True, text=True, timeout=600)
+        done = _done(out.stdout)
+        if out.returncode != 0 or done is None:
+            raise RuntimeError(f"the uninterrupted sweep failed:\n{out.stdout}\n{out.stderr}")
+        self.done = done
+        path = os.path.join(self.workdir, "reference")
+        self.lineages = {f"trial_{i:05d}": _lineage(path, f"trial_{i:05d}") for i in range(4)}
+
+    def trial(self, index: int) -> None:
+        name, where = f"sweep{index}", f"trial {index}"
+        path = os.path.join(self.workdir, name)
+        for _launch in range(MAX_LAUNCHES):
+            if self.rng.random() < 0.5:
+                fault = f"before_trial_record:{self.rng.randint(1, 4)}:kill"
+                proc = subprocess.run([sys.executable, "-c", DRIVER, self.workdir, name], env=_env(fault),
+                                      capture_output=True, text=True, timeout=600)
+                out, code, how = proc.stdout, proc.returncode, "fault"
+            else:
+                out, code, how = self._kill_after_reports(name, self.rng.randint(1, 10))
+            done = _done(out)
+            if done is not None:
+                self.counts["trials"] += 1
+                self._check_end(path, done, where)
+                return
+            if code != -9:
+                self.violations.append(f"{where}: a launch ended by neither the kill nor the sweep's end "
+                                       f"(exit {code})")
+                return
+            self.counts["restores"] += 1
+            self.counts[f"kills ({how})"] += 1
+        self.violations.append(f"{where}: no end after {MAX_LAUNCHES} launches")
+
+    def _kill_after_reports(self, name: str, target: int) -> tuple[str, int, str]:
+        proc = subprocess.Popen([sys.executable, "-u", "-c", DRIVER, self.workdir, name], env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        lines, seen = [], 0
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            seen += "REPORTED" in line
+            if seen >= target and not line.startswith("DONE"):
+                proc.kill()
+                break
+        proc.wait()
+        proc.stdout.close()
+        return "".join(lines), proc.returncode, "after reports"
+
+    def _check_end(self, path: str, done: str, where: str) -> None:
+        if done != self.done:
+            self.violations.append(f"{where}: the sweep ended with {done}, the uninterrupted one with "
+                                   f"{self.done}")
+        manifest = json.load(open(os.path.join(path, ".unbroken", "sweep.json")))
+        statuses = [t["status"] for t in manifest["trials"]]
+        if manifest["status"] != "FINISHED" or statuses != ["TERMINATED"] * 4:
+            self.violations.append(f"{where}: sweep.json says {manifest['status']}, trials {statuses}")
+        for trial, want in self.lineages.items():
+            rows = _rows(path, trial)
+            past = [r["training_iteration"] for r in rows if r["training_iteration"] > STOP_AT]
+            if past:
+                self.violations.append(f"{where}: {trial} ran past its stop ({STOP_AT}): iterations {past}")
+            kept = _timeline(rows)
+            if kept != list(range(1, STOP_AT + 1)):
+                self.violations.append(f"{where}: {trial}'s history has iterations {kept}")
+            if _lineage(path, trial) != want:
+                self.violations.append(f"{where}: {trial}'s lineage differs from the uninterrupted sweep's")
+
+
+def _timeline(rows: list[dict[str, Any]]) -> list[int]:
+    from unbroken.store.history import timeline
+
+    return [r["training_iteration"] for r in timeline(rows)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="unbroken-sweep-crash-") as workdir:
+        harness = SweepHarness(seed, workdir)
+        harness.reference()
+        for i in range(args.trials):
+            harness.trial(i)
+            if not args.json:
+                print(f"\rtrial {i + 1}/{args.trials}, violations: {len(harness.violations)}", end="",
+                      flush=True)
+    report = {"seed": seed, "seconds": round(time.monotonic() - started, 1),
+              **dict(sorted(harness.counts.items())), "violations": harness.violations}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print()
+        for key, value in report.items():
+            print(f"{key:<24}  {len(value) if key == 'violations' else value}")
+    return 1 if harness.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
