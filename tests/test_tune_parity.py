@@ -7,6 +7,8 @@ import datetime
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -413,3 +415,50 @@ def test_optuna_define_by_run_and_multi_objective_studies_run_and_resume(storage
     assert sorted(t.values[0] for t in study.trials) == sorted(r.metrics["score"] for r in grid)
     with pytest.raises(ValueError, match="same length"):
         OptunaSearch(metric=["a", "b"], mode="min")
+
+
+# -- asynchronous PBT: an exploit of a donor that is further on -------------------------------------
+
+LATER_DONOR = """
+import sys
+from tune_loops import tune_loop
+from unbroken import tune
+from unbroken.train import RunConfig
+from unbroken.tune.schedulers import PopulationBasedTraining
+
+pbt = PopulationBasedTraining(perturbation_interval=2, quantile_fraction=0.5, resample_probability=0.0,
+                              hyperparam_mutations={"x": [1, 2, 3, 4]})
+grid = tune.Tuner(tune_loop, param_space={"x": tune.grid_search([1, 3]), "iterations": 6, "block_it": 1,
+                                          "echo": True},
+                  tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=pbt, seed=1),
+                  run_config=RunConfig(name="later", storage_path=sys.argv[1], verbose=0)).fit()
+print("DONE", [r.trial_status for r in grid], flush=True)
+"""
+
+
+def test_an_asynchronous_exploit_of_a_donor_further_on_is_in_the_lineage_and_the_history(storage, tmp_path):
+    """Trial 0 blocks after its first report until trial 1 has paused at 4; then it pauses at 2
+    and takes trial 1's checkpoint of a later iteration. Its history keeps its own rows 1-2 and
+    goes on after the donor's iteration, each iteration once; `unbroken show` says where the
+    rows after 2 came from."""
+    block = str(tmp_path / "block")
+    fifo(block, "trial_00000")
+    driver = start_script(LATER_DONOR, storage, **{BLOCK_ENV: block})
+    read_until(driver, "trial_00001 REPORTED 5")  # it paused at 4 (a pause prints nothing)
+    with open(os.path.join(block, "trial_00000"), "w"):
+        pass  # trial 0 reads the end of the FIFO and goes on
+    lines = read_until(driver, "DONE")
+    driver.wait()
+    assert "DONE ['TERMINATED', 'TERMINATED']" in lines[-1], "".join(lines)
+    path = os.path.join(storage, "later")
+    [exploit] = [e for e in json.load(open(os.path.join(path, "trial_00000", ".unbroken", "pbt.json")))
+                 if e["t"] == 2]
+    donor_at = int(exploit["checkpoint"].rsplit("_", 1)[1])
+    assert exploit["donor"] == "trial_00001" and donor_at >= 4, exploit
+    rows = tune.Tuner.restore(path, tune_loop).get_results()[0].rows
+    its = [r["training_iteration"] for r in rows]
+    assert its[:2] == [1, 2] and (its[2:] == list(range(donor_at + 1, 7))), its
+    assert len(its) == len(set(its)), "each iteration once"
+    shown = subprocess.run([sys.executable, "-m", "unbroken", "show", os.path.join(path, "trial_00000")],
+                           capture_output=True, text=True, check=True).stdout
+    assert f"round 1 at 2: took trial_00001/{exploit['checkpoint']}" in shown, shown
