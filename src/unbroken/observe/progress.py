@@ -122,6 +122,16 @@ def clock(seconds: float) -> str:
     return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def sweep_progress(done: int, running: int, total: int, elapsed_s: float, ended_here: int) -> str:
+    """"3/10 done, 2 running, 5 pending, ETA 00:04:10": where a sweep stands, and the time
+    left at the pace of the `ended_here` trials its driver saw end in `elapsed_s`."""
+    text = f"{done}/{total} done, {running} running, {max(0, total - done - running)} pending"
+    left = eta_s(elapsed_s, ended_here, total - done) if ended_here else None
+    if left is not None and done < total:
+        text += f", ETA {clock(left)}"
+    return text
+
+
 def eta_s(elapsed: float, done: int, left: int) -> float | None:
     """Seconds still needed for `left` more units at the rate of the `done` ones so far, or
     None before the first one is done."""

@@ -49,6 +49,15 @@ def check_json_metrics(metrics: Any) -> None:
                 "Hint: report plain numbers, e.g. loss.item() instead of a tensor") from None
 
 
+def recordable(metrics: Any, in_trial: bool) -> dict[str, Any]:
+    """What a report records: in a sweep's trial (`in_trial`), values JSON cannot hold as Tune
+    records them (`as_tune_records`); elsewhere such a value is a MetricsNotSerializableError."""
+    if in_trial:
+        return as_tune_records(metrics)
+    check_json_metrics(metrics)
+    return metrics
+
+
 def as_tune_records(metrics: Any) -> dict[str, Any]:
     """`metrics` as a sweep's trial records them, as Ray Tune does: a value JSON cannot hold is
     not an error; numpy and torch numbers and arrays become numbers and lists, anything else

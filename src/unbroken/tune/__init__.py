@@ -29,9 +29,7 @@ from unbroken.train import (
     report,
 )
 from unbroken.tune.callback import Callback
-from unbroken.tune.function_trainable import with_parameters, with_resources
-from unbroken.tune.result_grid import ResultGrid, TrialResult
-from unbroken.tune.search_space import (
+from unbroken.tune.domains import (
     choice,
     grid_search,
     lograndint,
@@ -46,6 +44,8 @@ from unbroken.tune.search_space import (
     sample_from,
     uniform,
 )
+from unbroken.tune.function_trainable import with_parameters, with_resources
+from unbroken.tune.result_grid import ResultGrid, TrialResult
 from unbroken.tune.stopper import Stopper
 from unbroken.tune.trainable import Trainable
 from unbroken.tune.tune_config import TuneConfig

@@ -8,6 +8,7 @@ authority on how far it got. A restore reconciles the two before anything else.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -18,6 +19,8 @@ from unbroken.store.storage import Storage
 from unbroken.store.sweep_manifest import TrialRecord
 from unbroken.tune import asha, population
 from unbroken.tune.pbt import PopulationBasedTraining
+
+log = logging.getLogger("unbroken")
 
 
 def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRecord:
@@ -59,3 +62,25 @@ def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRe
     if out.status in sw.DONE:
         out.ended_at = out.ended_at or time.time()
     return out
+
+
+def rerun(storage: Storage, record: TrialRecord, restart: bool, pbt: Any, scheduler: Any) -> None:
+    """An errored trial runs again (Tuner.restore(resume_errored=True or restart_errored=True)):
+    resumed from its checkpoints, or restarted from scratch with its old run directory kept
+    under .unbroken/restarted/ and what the scheduler (`pbt`: a sweep's `Population`) recorded
+    for it forgotten."""
+    record.reruns += 1
+    if restart:
+        record.restarts += 1
+        if storage.exists(record.name):
+            storage.makedirs(sw.RESTARTED_DIR)
+            aside = f"{sw.RESTARTED_DIR}/{record.name}.{record.restarts}"
+            storage.rename(record.name, aside)
+            log.info("sweep %s: %s restarts from scratch; its old run is kept in %s", storage.url(),
+                     record.name, aside)
+        if pbt is not None:
+            pbt.forget(record.name)
+            record.overrides = None
+        elif scheduler is not None:
+            asha.forget_trial(storage, record.name)
+    record.status, record.error, record.stopped_early, record.told = sw.PENDING, None, None, False

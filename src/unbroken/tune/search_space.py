@@ -18,7 +18,7 @@ import random
 from typing import Any
 
 from unbroken.core.codec import describe
-from unbroken.tune.domains import (  # noqa: F401 - the search space's leaves, re-exported
+from unbroken.tune.domains import (  # noqa: F401 - the leaves' classes, re-exported
     Categorical,
     Domain,
     Float,
@@ -27,19 +27,6 @@ from unbroken.tune.domains import (  # noqa: F401 - the search space's leaves, r
     Normal,
     SampleFrom,
     bad_space,
-    choice,
-    grid_search,
-    lograndint,
-    loguniform,
-    qlograndint,
-    qloguniform,
-    qrandint,
-    qrandn,
-    quniform,
-    randint,
-    randn,
-    sample_from,
-    uniform,
 )
 
 SEP = "/"

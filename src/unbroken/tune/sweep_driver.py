@@ -23,9 +23,6 @@ continues from what is on disk.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import multiprocessing.connection
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +32,7 @@ from unbroken.core import faults
 from unbroken.errors import TrainingFailedError, TrainingInterruptedError, UnbrokenError
 from unbroken.execution.engine.factory import engine_env
 from unbroken.execution.preemption import Interrupts
-from unbroken.observe.progress import clock, eta_s
+from unbroken.observe.progress import sweep_progress
 from unbroken.store import history
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.lease import Lease
@@ -46,20 +43,27 @@ from unbroken.tune import search_space as ss
 from unbroken.tune.callback import split
 from unbroken.tune.gpu_slots import GpuSlots
 from unbroken.tune.pbt import PopulationBasedTraining
-from unbroken.tune.population import PBTStopper, Population
-from unbroken.tune.reconcile import reconciled
+from unbroken.tune.population import Population
+from unbroken.tune.reconcile import reconciled, rerun
+from unbroken.tune.running_trials import Running, RunningTrials
 from unbroken.tune.search.searcher import SearchContext, Searcher
 from unbroken.tune.sweep_events import SweepEvents, trial_id
-from unbroken.tune.sweep_stop import TrialStop, mark_stopped, unmark_stopped
+from unbroken.tune.sweep_stop import (
+    TrialStop,
+    fail_fast,
+    mark_stopped,
+    trial_stopper,
+    unmark_stopped,
+    user_stop,
+)
 from unbroken.tune.trial import TrialPayload, build_trainer, trial_run_config
 from unbroken.tune.trial_naming import TrialNaming
 from unbroken.tune.trial_process import LocalTrialProcess
 from unbroken.tune.trial_slots import TrialSlots, holding
-from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome, TrialPlaced
+from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialPlaced
 
 log = logging.getLogger("unbroken")
 
-POLL_S = 1.0
 # How many times a trial whose driver was lost with its node runs again before it errs.
 MAX_RELAUNCHES = 10
 
@@ -71,16 +75,6 @@ class ResumeFlags:
     unfinished: bool = True
     errored: bool = False
     restart: bool = False
-
-
-@dataclass
-class _Running:
-    record: TrialRecord
-    proc: Any  # a LocalTrialProcess or a RayTrialProcess (see trial_process)
-    message: TrialOutcome | None = None
-    conn_open: bool = True
-    share: int = 0  # on a Ray cluster: the workers it may start with (counted until it is sized)
-    gpus: list[str] = field(default_factory=list)  # on the local engine: the GPUs it was given
 
 
 @dataclass
@@ -180,8 +174,8 @@ class SweepDriver:
         for record in m.trials:
             if record.status in sw.DONE and not record.told:
                 self._tell(record)
-        self.events = SweepEvents(self.storage, m, split(self.run_config.callbacks)[0], self._user_stop(),
-                                  self.time_budget_s)
+        self.events = SweepEvents(self.storage, m, split(self.run_config.callbacks)[0],
+                                  user_stop(self.trainable, self.run_config), self.time_budget_s)
         if m.stopped is not None and m.stopped.get("fail_fast") and (flags.errored or flags.restart):
             m.stopped = None  # its errored trials run again, and so may the others
             unmark_stopped(self.storage)
@@ -193,28 +187,9 @@ class SweepDriver:
             elif record.status in sw.UNFINISHED and flags.unfinished:
                 self.queue.append(record.name)
             elif record.status == sw.ERROR and (flags.restart or flags.errored):
-                self._rerun(record, restart=flags.restart)
+                rerun(self.storage, record, flags.restart, self.population, self.scheduler)
                 self.queue.append(record.name)
         self.save()
-
-    def _rerun(self, record: TrialRecord, restart: bool) -> None:
-        """An errored trial runs again: resumed from its checkpoints, or restarted from scratch
-        with its old run directory kept under .unbroken/restarted/."""
-        record.reruns += 1
-        if restart:
-            record.restarts += 1
-            if self.storage.exists(record.name):
-                self.storage.makedirs(sw.RESTARTED_DIR)
-                aside = f"{sw.RESTARTED_DIR}/{record.name}.{record.restarts}"
-                self.storage.rename(record.name, aside)
-                log.info("sweep %s: %s restarts from scratch; its old run is kept in %s",
-                         self.name, record.name, aside)
-            if self.population is not None:
-                self.population.forget(record.name)
-                record.overrides = None
-            elif self.scheduler is not None:
-                asha.forget_trial(self.storage, record.name)
-        record.status, record.error, record.stopped_early, record.told = sw.PENDING, None, None, False
 
     # -- running ----------------------------------------------------------------------------
     def _next(self) -> TrialRecord | None:
@@ -244,36 +219,20 @@ class SweepDriver:
             config = pbt.apply(config, self.population.overrides(name))
         return config
 
-    def _user_stop(self) -> Any:
-        """The trials' own stop condition: the sweep's RunConfig.stop, else the trainer's."""
-        base = getattr(self.trainable, "run_config", None)
-        return self.run_config.stop or (base.stop if base is not None else None)
-
-    def _fail_fast(self) -> bool | str:
-        """FailureConfig.fail_fast of the sweep's RunConfig, else of the trainer's."""
-        base = getattr(self.trainable, "run_config", None)
-        return self.run_config.failure_config.fail_fast or (
-            base is not None and base.failure_config.fail_fast)
-
-    def _trial_stop(self, record: TrialRecord) -> Any:
+    def _trial_stop(self, record: TrialRecord) -> TrialStop:
         """The user's stop condition as this trial asks it, which also stops it once the sweep
         has ended (see sweep_stop)."""
         return TrialStop(record.name, trial_id(self.manifest, record), self.storage.url(),
-                         self.run_config.storage_filesystem, self._user_stop())
+                         self.run_config.storage_filesystem, user_stop(self.trainable, self.run_config))
 
     def _trainer(self, record: TrialRecord) -> Any:
-        config = self._config_of(record.name)
-        base = getattr(self.trainable, "run_config", None)
-        user_stop = self._trial_stop(record)
-        stop, url, fs = user_stop, self.storage.url(), self.run_config.storage_filesystem
-        if self.population is not None:
-            stop = PBTStopper(record.name, url, fs, self.population.scheduler, self.metric, user_stop)
-        elif self.scheduler is not None:
-            stop = asha.TrialStopper(record.name, url, fs, self.scheduler, self.metric, self.mode, user_stop)
-        rc = trial_run_config(self.run_config, record.name, self.storage.url(), stop, base)
-        return build_trainer(self.trainable, config, rc)
+        stop = trial_stopper(self._trial_stop(record), self.population, self.scheduler, self.metric,
+                             self.mode)
+        rc = trial_run_config(self.run_config, record.name, self.storage.url(), stop,
+                              getattr(self.trainable, "run_config", None))
+        return build_trainer(self.trainable, self._config_of(record.name), rc)
 
-    def _launch(self, record: TrialRecord, share: int | None = None) -> _Running | None:
+    def _launch(self, record: TrialRecord, share: int | None = None) -> Running | None:
         try:
             trainer = self._trainer(record)
             trainer._elastic_start_limit = share  # its first attempt's most (a Ray cluster's share)
@@ -299,7 +258,7 @@ class SweepDriver:
         self.save()
         if self.events is not None:
             self.events.started(record)
-        return _Running(record, proc, share=share or 0, gpus=gpus or [])
+        return Running(record, proc, share=share or 0, gpus=gpus or [])
 
     def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
         # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
@@ -313,7 +272,8 @@ class SweepDriver:
         self.save()
         if status in sw.DONE and self.events is not None:
             self.events.ended(record)
-        if status == sw.ERROR and self.manifest.stopped is None and self._fail_fast():
+        ends_sweep = status == sw.ERROR and fail_fast(self.trainable, self.run_config)
+        if ends_sweep and self.manifest.stopped is None:
             self._end_sweep({"reason": f"fail_fast: {record.name} errored", "fail_fast": record.name})
         detail = ""
         if status == sw.ERROR:
@@ -331,16 +291,10 @@ class SweepDriver:
         time left at the pace of the trials this driver saw end."""
         counts = self.manifest.counts()
         done = sum(n for status, n in counts.items() if status in sw.DONE)
-        running = counts.get(sw.RUNNING, 0)
-        pending = max(0, self.total - done - running)
-        text = f"{done}/{self.total} done, {running} running, {pending} pending"
-        ended_here = done - self._done_at_start
-        left = eta_s(time.monotonic() - self._t0, ended_here, self.total - done) if ended_here else None
-        if left is not None and done < self.total:
-            text += f", ETA {clock(left)}"
-        return text
+        return sweep_progress(done, counts.get(sw.RUNNING, 0), self.total, time.monotonic() - self._t0,
+                              done - self._done_at_start)
 
-    def _collect(self, running: _Running, stopping: bool) -> None:
+    def _collect(self, running: Running, stopping: bool) -> None:
         """A trial process ended: record what became of the trial."""
         record, outcome = running.record, running.message
         paused = self.population is not None and self.population.pending(record.name) is not None
@@ -378,17 +332,14 @@ class SweepDriver:
 
     def execute(self) -> None:
         """Run the queued and newly proposed trials; raise TrainingInterruptedError on a signal."""
-        running: dict[str, _Running] = {}
+        running = RunningTrials(self._placed)
         self._t0, self._spent_before = time.monotonic(), self.manifest.running_s
         self._done_at_start = sum(1 for t in self.manifest.trials if t.status in sw.DONE)
         with Interrupts() as interrupts:
             try:
                 forwarded = self._run_trials(running, interrupts)
             except BaseException:
-                for r in running.values():
-                    r.proc.kill()
-                for r in running.values():
-                    r.proc.join()
+                running.kill_all()
                 raise
         if self.events is not None:
             self.events.finished()
@@ -396,12 +347,12 @@ class SweepDriver:
             self._interrupted(interrupts.signal_name or "a signal")
         self._finish()
         failed = (self.manifest.stopped or {}).get("fail_fast")
-        if failed and self._fail_fast() == "raise":
+        if failed and fail_fast(self.trainable, self.run_config) == "raise":
             record = self.manifest.trial(failed)
             raise TrainingFailedError(f"sweep {self.storage.url()!r} ended at the first failed trial "
                                       f"(fail_fast='raise'): {failed}: {record.error if record else ''}")
 
-    def _run_trials(self, running: dict[str, _Running], interrupts: Interrupts) -> int:
+    def _run_trials(self, running: RunningTrials, interrupts: Interrupts) -> int:
         """The driver's loop: beat the lease, forward new signals, start trials while none was
         forwarded, wait, and record the trials whose processes ended; until no trial runs and
         none is left to start. Returns how many signals were forwarded (0: none came)."""
@@ -411,22 +362,15 @@ class SweepDriver:
             self._watch()
             if interrupts.count > forwarded:
                 forwarded = interrupts.count
-                self._forward(interrupts.signal_name, running)
+                running.forward(interrupts.signal_name, self.name)
             if not forwarded:
                 self._start_trials(running)
             if not running and (forwarded or not self.relaunching):
                 return forwarded
-            ready = self._wait(running, interrupts)
-            self._reap(running, ready, stopping=bool(forwarded))
-
-    def _forward(self, signal_name: str | None, running: dict[str, _Running]) -> None:
-        """Pass a SIGTERM or SIGINT on to every running trial (their process groups are their
-        own, so a Ctrl-C reaches them only this way); each checkpoints and stops."""
-        signum = signal.Signals[signal_name or "SIGTERM"]
-        log.warning("sweep %s: %s received: forwarded to %d running trial(s), which "
-                    "checkpoint and stop; no new trial starts", self.name, signum.name, len(running))
-        for r in running.values():
-            r.proc.signal(signum)
+            for ended in running.reap(running.wait(interrupts)):
+                if self.gpus is not None:
+                    self.gpus.give(ended.gpus)
+                self._collect(ended, stopping=bool(forwarded))
 
     def _watch(self) -> None:
         """Give the sweep callbacks the trials' new results, and end the sweep when its
@@ -449,7 +393,7 @@ class SweepDriver:
         self.save()
         self._say("ends: %s; running trials stop at their next report, and no trial starts", why["reason"])
 
-    def _start_trials(self, running: dict[str, _Running]) -> None:
+    def _start_trials(self, running: RunningTrials) -> None:
         """Start the next trials until `concurrency` run or none is left (a trial whose trainer
         cannot be built is recorded as ERROR and not counted)."""
         if self.manifest.stopped is not None:
@@ -466,7 +410,7 @@ class SweepDriver:
                 return
             started = self._launch(record, share)
             if started is not None:
-                running[record.name] = started
+                running.add(started)
                 self._say("%s started with %s; %s", record.name, record.config, self._progress())
 
     def _release_paused(self) -> None:
@@ -486,42 +430,14 @@ class SweepDriver:
                           decision["checkpoint"], decision["overrides"])
         self.save()
 
-    def _share(self, running: dict[str, _Running]) -> int | None:
+    def _share(self, running: RunningTrials) -> int | None:
         """On a Ray cluster, the most workers the next trial may start with beside what the
         running ones hold now (0: none fits now; see `trial_slots`); None on the local engine."""
         if self.slots is None:
             return None
-        held = [holding(self.storage.child(name), self.slots.most) for name in running]
-        return self.slots.share([r.share if h is None else h for r, h in zip(running.values(), held,
-                                                                            strict=True)])
-
-    def _wait(self, running: dict[str, _Running], interrupts: Interrupts) -> list[Any]:
-        """Block until a trial process ends, a trial sends, or a signal comes (POLL_S at most, so
-        that the lease keeps beating); returns what is ready."""
-        waits: list[Any] = [interrupts]
-        for r in running.values():
-            waits.append(r.proc.sentinel)
-            if r.conn_open:
-                waits.append(r.proc.conn)
-        ready = mp.connection.wait(waits, timeout=POLL_S)
-        if interrupts in ready:
-            interrupts.drain()
-        return ready
-
-    def _reap(self, running: dict[str, _Running], ready: list[Any], stopping: bool) -> None:
-        """Read what the ready trials sent, and record each trial whose process ended (after
-        reading its last messages) and drop it from `running`."""
-        for name, r in list(running.items()):
-            if r.conn_open and (r.proc.conn in ready or r.proc.sentinel in ready):
-                self._read(r)
-            if r.proc.sentinel in ready:
-                r.proc.join()
-                if r.conn_open:
-                    self._read(r)
-                del running[name]
-                if self.gpus is not None:
-                    self.gpus.give(r.gpus)
-                self._collect(r, stopping=stopping)
+        trials = running.values()
+        held = [holding(self.storage.child(r.record.name), self.slots.most) for r in trials]
+        return self.slots.share([r.share if h is None else h for r, h in zip(trials, held, strict=True)])
 
     def _finish(self) -> None:
         """Record the sweep as FINISHED when every trial is done, else INCOMPLETE, and log the counts."""
@@ -533,20 +449,10 @@ class SweepDriver:
         counts = self.manifest.counts()
         self._say("%s: %s", self.manifest.status, ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
 
-    def _read(self, r: _Running) -> None:
-        """What a trial sent: where its driver was placed (recorded), then its outcome."""
-        try:
-            while r.proc.conn.poll():
-                message = r.proc.conn.recv()
-                if isinstance(message, TrialPlaced):
-                    r.record.driver = {"node_id": message.node_id, "address": message.address,
-                                       "pid": message.pid}
-                    self.save()
-                else:
-                    r.message = message
-        except (EOFError, OSError):
-            r.conn_open = False
-            r.proc.conn.close()
+    def _placed(self, record: TrialRecord, message: TrialPlaced) -> None:
+        """Where a trial's driver was placed (a Ray cluster): recorded, for a relaunch."""
+        record.driver = {"node_id": message.node_id, "address": message.address, "pid": message.pid}
+        self.save()
 
     def _interrupted(self, signal_name: str) -> None:
         self.manifest.status = sw.SWEEP_INTERRUPTED

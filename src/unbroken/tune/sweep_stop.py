@@ -27,7 +27,9 @@ from unbroken.core.config import stop_met, stop_met_at_resume
 from unbroken.store import history
 from unbroken.store.manifest_base import META_DIR
 from unbroken.store.storage import Storage
+from unbroken.tune import asha
 from unbroken.tune import stopper as st
+from unbroken.tune.population import PBTStopper
 
 STOPPED_MARKER = f"{META_DIR}/stopped.json"
 MARKER_EVERY_S = 1.0  # how often a trial looks for the marker
@@ -156,3 +158,28 @@ def mark_stopped(storage: Storage, reason: str) -> None:
 def unmark_stopped(storage: Storage) -> None:
     """Remove the marker: the sweep runs again (a restore that reruns errored trials)."""
     storage.remove(STOPPED_MARKER)
+
+
+def user_stop(trainable: Any, run_config: Any) -> Any:
+    """A sweep's trials' own stop condition: the sweep's RunConfig.stop, else the trainer's."""
+    base = getattr(trainable, "run_config", None)
+    return run_config.stop or (base.stop if base is not None else None)
+
+
+def fail_fast(trainable: Any, run_config: Any) -> bool | str:
+    """FailureConfig.fail_fast of the sweep's RunConfig, else of the trainer's."""
+    base = getattr(trainable, "run_config", None)
+    return run_config.failure_config.fail_fast or (base is not None and base.failure_config.fail_fast)
+
+
+def trial_stopper(stop: TrialStop, population: Any, scheduler: Any, metric: str | None,
+                  mode: str | None) -> Any:
+    """The RunConfig.stop of a trial: its `TrialStop`, inside the scheduler's stopper (PBT's
+    pause, ASHA's rungs) when the sweep has one."""
+    if population is not None:
+        return PBTStopper(stop.trial, stop.sweep_url, stop.storage_filesystem, population.scheduler, metric,
+                          stop)
+    if scheduler is not None:
+        return asha.TrialStopper(stop.trial, stop.sweep_url, stop.storage_filesystem, scheduler, metric, mode,
+                                 stop)
+    return stop

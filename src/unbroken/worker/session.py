@@ -34,7 +34,7 @@ from unbroken.store.commit import (
     staging_name,
     write_rank_files,
 )
-from unbroken.store.history import as_tune_records, check_json_metrics
+from unbroken.store.history import recordable
 from unbroken.store.storage import Storage, split_run_url
 from unbroken.worker.async_save import BackgroundSave, stage_job
 from unbroken.worker.protocol import Committed, Failed, Gather, Gathered, Reply, Report, Validated
@@ -156,14 +156,6 @@ class TrainContext:
                               storage_filesystem=storage.fs, experiment_fs_path=storage.path(),
                               storage_fs_path=split_run_url(storage.path())[0])
 
-    def _recordable(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """What a report records: in a sweep's trial, values JSON cannot hold as Tune records
-        them (their strings); elsewhere such a value is a MetricsNotSerializableError."""
-        if self.info.trial_name is not None:
-            return as_tune_records(metrics)
-        check_json_metrics(metrics)
-        return metrics
-
     def should_checkpoint(self) -> bool:
         """True when the driver asks for a checkpoint at this report (e.g. on preemption).
 
@@ -279,14 +271,6 @@ class Session:
         self.send(Gather(self._collective_calls - 1, op, data, error))
         return self.receive(Gathered)
 
-    def _recordable(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """What a report records: in a sweep's trial, values JSON cannot hold as Tune records
-        them (their strings); elsewhere such a value is a MetricsNotSerializableError."""
-        if self.info.trial_name is not None:
-            return as_tune_records(metrics)
-        check_json_metrics(metrics)
-        return metrics
-
     def should_checkpoint(self) -> bool:
         self._take_reply()
         return self._reply.checkpoint
@@ -300,7 +284,7 @@ class Session:
         the background instead (the directory must stay as it is until then, unless
         `delete_local`: then it is moved aside at once and deleted once staged).
         `validation`: the validation request for the checkpoint (`validation_request`)."""
-        metrics = self._recordable(metrics)
+        metrics = recordable(metrics, in_trial=self.info.trial_name is not None)
         if checkpoint is not None:
             self.saving()
         self._take_reply()  # from here on, every earlier report's synchronous checkpoint is committed
@@ -331,7 +315,7 @@ class Session:
         """Report with a checkpoint that is written in the background: `produce()`, called in
         the saver's thread, returns the local directory of this rank's files and whether to
         delete it once they are staged. The caller has already snapshotted what it saves."""
-        metrics = self._recordable(metrics)
+        metrics = recordable(metrics, in_trial=self.info.trial_name is not None)
         self.saving()
         self._take_reply()
         self.saver.check()
