@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+log = logging.getLogger("unbroken")
 
 
 @dataclass
@@ -27,6 +30,8 @@ class TuneConfig:
     - `trial_name_creator`, `trial_dirname_creator`: functions of a `tune.Callback`'s
       `Trial` view (id and config) that name a new trial (what `get_trial_name()` returns in
       it) and its directory under the sweep (see `unbroken.tune.trial_naming`).
+    - `reuse_actors`: accepted for Ray's scripts; trials never reuse a process (a trial paused
+      by population-based training starts a new one), and True logs a warning.
     - `seed`: the seed of random search (and of Optuna's default sampler). None: a random
       seed is drawn when the sweep starts and stored with it, so a restored sweep proposes
       what the uninterrupted one would have.
@@ -42,8 +47,12 @@ class TuneConfig:
     time_budget_s: float | datetime.timedelta | None = None
     trial_name_creator: Callable[[Any], str] | None = None
     trial_dirname_creator: Callable[[Any], str] | None = None
+    reuse_actors: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.reuse_actors:
+            log.warning("TuneConfig(reuse_actors=True): trials never reuse a process here; a trial "
+                        "paused by population-based training starts a new one (same results, slower)")
         if isinstance(self.time_budget_s, datetime.timedelta):
             self.time_budget_s = self.time_budget_s.total_seconds()
         budget = self.time_budget_s
