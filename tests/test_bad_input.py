@@ -282,7 +282,7 @@ def test_use_gpu_where_no_gpu_is_visible(run, tmp_path):
 @pytest.mark.parametrize("name,hint", [
     ("ResourceChangingScheduler", "scaling_config"),
     ("PB2", "PopulationBasedTraining"),
-    ("HyperBandScheduler", "ASHAScheduler"),
+    ("HyperBandForBOHB", "HyperBandScheduler"),
 ])
 def test_ray_tune_schedulers_unbroken_does_not_provide_say_what_instead(name, hint):
     from unbroken.errors import UnsupportedAPIError

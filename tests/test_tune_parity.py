@@ -462,3 +462,52 @@ def test_an_asynchronous_exploit_of_a_donor_further_on_is_in_the_lineage_and_the
     shown = subprocess.run([sys.executable, "-m", "unbroken", "show", os.path.join(path, "trial_00000")],
                            capture_output=True, text=True, check=True).stdout
     assert f"round 1 at 2: took trial_00001/{exploit['checkpoint']}" in shown, shown
+
+
+# -- synchronous HyperBand --------------------------------------------------------------------------
+
+HYPERBAND = """
+import sys
+from tune_loops import tune_loop
+from unbroken import tune
+from unbroken.train import RunConfig
+from unbroken.tune.schedulers import HyperBandScheduler
+
+hb = HyperBandScheduler(max_t=9, reduction_factor=3)
+space = {"x": tune.grid_search([5, 1, 4, 2, 9, 3, 7, 6, 8]), "iterations": 20, "block_it": 2}
+grid = tune.Tuner(tune_loop, param_space=space,
+                  tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=hb,
+                                              max_concurrent_trials=2),
+                  run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1], verbose=0)).fit()
+print("DONE", [(r.trial_name, r.trial_status, r.metrics["it"]) for r in grid], flush=True)
+"""
+
+
+def test_synchronous_hyperband_halves_each_bracket_at_its_rungs_and_its_decisions_survive_a_killed_driver(
+        storage, tmp_path):
+    """max_t=9, eta=3: the first bracket holds 9 trials and judges them at 1, 3 and 9. All 9
+    run to 1 and pause; the best 3 (x = 9, 8, 7) go on to 3; the best of those (x = 9) runs
+    to 9. The others stop where they were judged. Killed once while trial 4 (x = 9) blocks
+    after its report 2, between rungs, the sweep ends as the uninterrupted one does."""
+    reference = run_script(HYPERBAND, storage, "reference").stdout
+    expected = {0: 1, 1: 1, 2: 1, 3: 1, 4: 9, 5: 1, 6: 3, 7: 1, 8: 3}
+    done = next(line for line in reference.splitlines() if line.startswith("DONE"))
+    got = eval(done[5:])
+    assert {int(name[-1]): it for name, _, it in got} == expected, done
+    assert {status for _, status, _ in got} == {"TERMINATED"}
+    path = os.path.join(storage, "reference")
+    records = sweep_json(path)["trials"]
+    assert all(("HyperBand" in (t["stopped_early"] or "")) == (t["name"] != "trial_00004") for t in records)
+    for name, _, it in got:
+        rows = [json.loads(line) for line in open(os.path.join(path, name, "result.json"))]
+        kept = [r["training_iteration"] for r in rows]
+        assert kept == list(range(1, it + 1)), (name, kept)
+
+    block = str(tmp_path / "block")
+    fifo(block, "trial_00004")
+    driver = start_script(HYPERBAND, storage, "killed", **{BLOCK_ENV: block})
+    read_until(driver, "trial_00004 BLOCKING")
+    kill_and_reap(driver)
+    os.remove(os.path.join(block, "trial_00004"))
+    again = run_script(HYPERBAND, storage, "killed").stdout
+    assert next(line for line in again.splitlines() if line.startswith("DONE")) == done

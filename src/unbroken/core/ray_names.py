@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from unbroken.errors import UnsupportedAPIError
 
-_HYPERBAND = ("synchronous HyperBand is not provided. Hint: use ASHAScheduler(brackets=N) (asynchronous "
-              "HyperBand: its brackets and early stopping, without waiting for a rung to fill)")
+_HYPERBAND = ("HyperBand for BOHB (with TuneBOHB's searcher) is not provided. Hint: use HyperBandScheduler "
+              "(synchronous HyperBand) or ASHAScheduler(brackets=N) with OptunaSearch")
 _PBT = ("only PopulationBasedTraining is provided. Hint: use PopulationBasedTraining(hyperparam_mutations="
         "...) from unbroken.tune.schedulers")
 
@@ -83,7 +83,6 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
     "unbroken.tune.schedulers": {
         "ResourceChangingScheduler": "a trial keeps the resources it started with. Hint: say what a trial "
                                      "uses with its trainer's scaling_config",
-        "HyperBandScheduler": _HYPERBAND,
         "HyperBandForBOHB": _HYPERBAND,
         "MedianStoppingRule": "Hint: use ASHAScheduler, or stop trials with RunConfig(stop=...)",
         "PopulationBasedTrainingReplay": _PBT,

@@ -83,7 +83,12 @@ class BaseTrainer:
         if finished is not None:
             return finished
         run.fit_started_at = started
-        if run.finished_at_stop(self.run_config.stop):
+        try:
+            done = run.finished_at_stop(self.run_config.stop)
+        except BaseException:
+            run.lease.release()  # e.g. no checkpoint verifies: nothing was changed, and the run is free
+            raise
+        if done:
             return Result.from_path(run.path, self.run_config.storage_filesystem)
         hint = restore_hint(type(self), run.path)
         run.callbacks = callbacks.bind(run)

@@ -160,6 +160,10 @@ class Population:
     def pending(self, trial: str) -> dict[str, Any] | None:
         return pending(self.storage, trial, self.scheduler)
 
+    def trial_stopper(self, stop: Any, metric: str | None) -> PBTStopper:
+        """The stop of a trial (`stop`: its `sweep_stop.TrialStop`) with its pause."""
+        return PBTStopper(stop.trial, stop.sweep_url, stop.storage_filesystem, self.scheduler, metric, stop)
+
     def catch_up(self, trial: str, user_stop: Any = None) -> None:
         """A trial whose driver died after recording the row of its pause, before recording
         the pause itself: record it now, from that row (its checkpoint committed), so the

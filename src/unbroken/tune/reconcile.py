@@ -17,7 +17,8 @@ from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.storage import Storage
 from unbroken.store.sweep_manifest import TrialRecord
-from unbroken.tune import asha, population
+from unbroken.tune import asha, hyperband, population
+from unbroken.tune.hyperband import HyperBandScheduler
 from unbroken.tune.pbt import PopulationBasedTraining
 
 log = logging.getLogger("unbroken")
@@ -27,8 +28,8 @@ def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRe
     """An unfinished trial's record as its run directory has it (see the module docstring):
     FINISHED -> TERMINATED, ERRORED -> ERROR, anything else (INTERRUPTED, or RUNNING with its
     driver gone) -> INTERRUPTED, no run yet -> PENDING; a trial the scheduler stopped is
-    TERMINATED; with population-based training, a FINISHED run that paused is PAUSED, and
-    PENDING once the pause was decided and before it ran again. A finished trial's record is
+    TERMINATED; with population-based training or HyperBand, a FINISHED run that paused is
+    PAUSED, and PENDING once the pause was decided and before it ran again. A finished trial's record is
     returned as it is. Reads only: the caller decides whether to record the result (only the
     driver holding the sweep's lease writes)."""
     if record.status in sw.DONE:
@@ -38,8 +39,9 @@ def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRe
     trial = storage.child(record.name)
     if decision is not None:
         out.status, out.stopped_early = sw.TERMINATED, asha.describe_decision(decision)
-    elif isinstance(scheduler, PopulationBasedTraining) and population.pending(storage, record.name,
-                                                                               scheduler):
+    elif isinstance(scheduler, HyperBandScheduler) and (cut := hyperband.stopped(storage, record.name)):
+        out.status, out.stopped_early = sw.TERMINATED, hyperband.describe_stop(cut)
+    elif _paused(storage, record.name, scheduler):
         out.status = sw.PAUSED  # it paused, whether or not its driver lived to record its run's end
     elif not mf.is_run_dir(trial):
         if out.status == sw.RUNNING:
@@ -52,6 +54,8 @@ def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRe
             return out
         if run.status == mf.FINISHED and isinstance(scheduler, PopulationBasedTraining):
             out.status, out.error = population.finished_status(storage, record.name, scheduler, run), None
+        elif run.status == mf.FINISHED and isinstance(scheduler, HyperBandScheduler):
+            out.status, out.error = hyperband.finished_status(storage, record.name, run), None
         elif run.status == mf.FINISHED:
             out.status, out.error = sw.TERMINATED, None
         elif run.status == mf.ERRORED:
@@ -62,6 +66,13 @@ def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRe
     if out.status in sw.DONE:
         out.ended_at = out.ended_at or time.time()
     return out
+
+
+def _paused(storage: Storage, trial: str, scheduler: Any) -> bool:
+    """Whether the trial has a pause no decision has handled (PBT, HyperBand)."""
+    if isinstance(scheduler, PopulationBasedTraining):
+        return population.pending(storage, trial, scheduler) is not None
+    return isinstance(scheduler, HyperBandScheduler) and hyperband.pending(storage, trial) is not None
 
 
 def rerun(storage: Storage, record: TrialRecord, restart: bool, pbt: Any, scheduler: Any) -> None:

@@ -42,6 +42,7 @@ from unbroken.tune import asha, gpu_slots, pbt
 from unbroken.tune import search_space as ss
 from unbroken.tune.callback import split
 from unbroken.tune.gpu_slots import GpuSlots
+from unbroken.tune.hyperband import Bands, HyperBandScheduler
 from unbroken.tune.pbt import PopulationBasedTraining
 from unbroken.tune.population import Population
 from unbroken.tune.reconcile import reconciled, rerun
@@ -97,7 +98,7 @@ class SweepDriver:
     verbose: int = 1
     slots: TrialSlots | None = None  # on a Ray cluster: the share of the cluster the next trial gets
     gpus: GpuSlots | None = None  # on the local engine, when trials take GPUs: which are free
-    population: Population | None = None  # with population-based training (set by prepare)
+    population: Population | Bands | None = None  # trials that pause: PBT, HyperBand (set by prepare)
     on_ray: bool = False  # trials' drivers are actors of the Ray cluster (ray_trial_process)
     queue: list[str] = field(default_factory=list)
     relaunching: dict[str, Callable[[], bool]] = field(default_factory=dict)  # queued after a lost driver
@@ -155,6 +156,10 @@ class SweepDriver:
         if isinstance(self.scheduler, PopulationBasedTraining):
             self.population = Population(self.storage, self.scheduler, self.metric or "", self.mode or "max",
                                          m.seed, self._config_of)
+        elif isinstance(self.scheduler, HyperBandScheduler):
+            self.population = Bands(self.storage, self.scheduler, self.metric or "", self.mode or "max",
+                                    lambda: self.manifest.trials)
+        if self.population is not None:
             for record in m.trials:
                 if record.status not in sw.DONE:
                     self.population.catch_up(record.name, self._trial_stop(record))
@@ -264,7 +269,7 @@ class SweepDriver:
         # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
         faults.point("before_trial_record")
         record.status, record.error, record.ended_at = status, error, time.time()
-        if status == sw.TERMINATED and self.scheduler is not None:
+        if status == sw.TERMINATED and isinstance(self.scheduler, asha.ASHAScheduler):
             decision = asha.read_decision(self.storage, record.name)
             record.stopped_early = asha.describe_decision(decision) if decision else None
         if status in sw.DONE:
@@ -301,7 +306,7 @@ class SweepDriver:
         if paused and not stopping:  # it paused, whatever became of its driver after that
             record.status, record.ended_at = sw.PAUSED, time.time()
             self.save()
-            self._say("%s paused at its perturbation point; %s", record.name, self._progress())
+            self._say("%s paused (%s); %s", record.name, type(self.scheduler).__name__, self._progress())
         elif isinstance(outcome, TrialDone):
             self._ended(record, sw.TERMINATED)
         elif isinstance(outcome, TrialInterrupted):
@@ -414,14 +419,18 @@ class SweepDriver:
                 self._say("%s started with %s; %s", record.name, record.config, self._progress())
 
     def _release_paused(self) -> None:
-        """Decide for the paused trials of population-based training that can be (see
-        `Population.ready`) and queue them to run again, first (see `population`)."""
+        """Decide for the paused trials (population-based training, HyperBand) that can be (see
+        `ready`), and queue those that go on to run again, first (see `population`, `hyperband`)."""
         paused = [r for r in self.manifest.trials if r.status == sw.PAUSED]
         if not paused or self.population is None or len(self.manifest.trials) < self.total:
             return
         unfinished = [r.name for r in self.manifest.trials if r.status not in sw.DONE]
         for record in reversed([r for r in paused if self.population.ready(r.name, unfinished)]):
             decision = self.population.decide(record.name) if self.population.pending(record.name) else {}
+            if decision.get("action") == "stop":  # HyperBand: not among the best of its rung
+                record.stopped_early = decision["why"]
+                self._ended(record, sw.TERMINATED)
+                continue
             record.status, record.config = sw.PENDING, ss.spec(self._config_of(record.name))
             record.overrides = self.population.overrides(record.name) or None
             self.queue = [record.name] + [name for name in self.queue if name != record.name]

@@ -29,7 +29,6 @@ from unbroken.store.manifest_base import META_DIR
 from unbroken.store.storage import Storage
 from unbroken.tune import asha
 from unbroken.tune import stopper as st
-from unbroken.tune.population import PBTStopper
 
 STOPPED_MARKER = f"{META_DIR}/stopped.json"
 MARKER_EVERY_S = 1.0  # how often a trial looks for the marker
@@ -174,11 +173,10 @@ def fail_fast(trainable: Any, run_config: Any) -> bool | str:
 
 def trial_stopper(stop: TrialStop, population: Any, scheduler: Any, metric: str | None,
                   mode: str | None) -> Any:
-    """The RunConfig.stop of a trial: its `TrialStop`, inside the scheduler's stopper (PBT's
-    pause, ASHA's rungs) when the sweep has one."""
+    """The RunConfig.stop of a trial: its `TrialStop`, inside the scheduler's stopper (the pause
+    of PBT or HyperBand, `population`; ASHA's rungs) when the sweep has one."""
     if population is not None:
-        return PBTStopper(stop.trial, stop.sweep_url, stop.storage_filesystem, population.scheduler, metric,
-                          stop)
+        return population.trial_stopper(stop, metric)
     if scheduler is not None:
         return asha.TrialStopper(stop.trial, stop.sweep_url, stop.storage_filesystem, scheduler, metric, mode,
                                  stop)

@@ -37,6 +37,7 @@ from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
 from unbroken.tune.asha import ASHAScheduler
 from unbroken.tune.gpu_slots import GpuSlots
+from unbroken.tune.hyperband import HyperBandScheduler
 from unbroken.tune.pbt import PopulationBasedTraining
 from unbroken.tune.reconcile import reconciled
 from unbroken.tune.result_grid import ResultGrid
@@ -344,18 +345,18 @@ def _searcher(tc: TuneConfig) -> Searcher:
     return alg
 
 
-def _scheduler(tc: TuneConfig) -> ASHAScheduler | PopulationBasedTraining | None:
+def _scheduler(tc: TuneConfig) -> Any:
     sched = tc.scheduler
     if sched is None or isinstance(sched, FIFOScheduler):
         return None
-    if not isinstance(sched, (ASHAScheduler, PopulationBasedTraining)):
-        raise TypeError(f"TuneConfig.scheduler must be ASHAScheduler, PopulationBasedTraining or "
-                        f"FIFOScheduler from unbroken.tune.schedulers, got {type(sched).__name__}")
+    if not isinstance(sched, (ASHAScheduler, PopulationBasedTraining, HyperBandScheduler)):
+        raise TypeError(f"TuneConfig.scheduler must be ASHAScheduler, HyperBandScheduler, "
+                        f"PopulationBasedTraining or FIFOScheduler from unbroken.tune.schedulers, got "
+                        f"{type(sched).__name__}")
     return sched
 
 
-def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: ASHAScheduler | PopulationBasedTraining | None
-                 ) -> tuple[str | None, str | None]:
+def _metric_mode(tc: TuneConfig, searcher: Searcher, scheduler: Any) -> tuple[str | None, str | None]:
     metric, mode = tc.metric, tc.mode
     for owner in (searcher, scheduler):
         for attr in ("metric", "mode"):

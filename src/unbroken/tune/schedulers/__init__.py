@@ -6,10 +6,13 @@
   HyperBand); `AsyncHyperBandScheduler` is the same class.
   Ray's module path works too: `unbroken.tune.schedulers.async_hyperband`.
 
+- `HyperBandScheduler(time_attr, metric, mode, max_t, reduction_factor, stop_last_trials)`:
+  synchronous HyperBand; each bracket's trials pause at a rung until all have reached it, and
+  the best go on (see `unbroken.tune.hyperband`).
 - `PopulationBasedTraining(...)`: trials of the bottom quantile take over the checkpoint of
   one of the top quantile and change their hyperparameters (see `unbroken.tune.population`).
 
-Ray's other schedulers (synchronous HyperBand, median stopping, PB2, resource changing) are
+Ray's other schedulers (HyperBand for BOHB, median stopping, PB2, resource changing) are
 refused at import with UnsupportedAPIError, which says what to use instead.
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 
 from unbroken.core import ray_names as _ray_names
 from unbroken.tune.asha import ASHAScheduler
+from unbroken.tune.hyperband import HyperBandScheduler
 from unbroken.tune.pbt import PopulationBasedTraining
 
 
@@ -33,7 +37,8 @@ class FIFOScheduler:
 
 AsyncHyperBandScheduler = ASHAScheduler
 
-__all__ = ["ASHAScheduler", "AsyncHyperBandScheduler", "FIFOScheduler", "PopulationBasedTraining"]
+__all__ = ["ASHAScheduler", "AsyncHyperBandScheduler", "FIFOScheduler", "HyperBandScheduler",
+           "PopulationBasedTraining"]
 
 
 def __getattr__(name: str) -> Any:
