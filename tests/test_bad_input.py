@@ -297,3 +297,19 @@ def test_ray_tune_scheduler_module_paths_import():
     from unbroken.tune.schedulers.async_hyperband import ASHAScheduler, AsyncHyperBandScheduler
 
     assert ASHAScheduler is AsyncHyperBandScheduler is schedulers.ASHAScheduler
+
+
+@pytest.mark.parametrize("statement,hint", [
+    ("from unbroken.tune import run", "tune.Tuner("),
+    ("from unbroken.tune import ExperimentAnalysis", "get_results()"),
+    ("from unbroken.tune import CLIReporter", "tune.Callback"),
+    ("from unbroken.tune.search import HyperOptSearch", "OptunaSearch"),
+    ("from unbroken.tune.logger import TBXLoggerCallback", "LoggerCallback"),
+])
+def test_ray_tune_names_without_a_counterpart_say_what_instead(statement, hint):
+    from unbroken.errors import UnsupportedAPIError
+
+    with pytest.raises(UnsupportedAPIError, match="Hint") as refused:
+        exec(statement)
+    assert hint in str(refused.value) and "Ray Tune" in str(refused.value)
+    from unbroken.tune import stopper  # noqa: F401 - a submodule is still found past __getattr__

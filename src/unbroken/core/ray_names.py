@@ -72,6 +72,41 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                                "the Trainer, adds RayTrainReportCallback and calls prepare_trainer, both "
                                "from unbroken.train.huggingface.transformers (docs/integrations.md)",
     },
+    "unbroken.tune": {
+        "run": "tune.run is Ray's old entry point. Hint: tune.Tuner(trainable, param_space=config, "
+               "tune_config=tune.TuneConfig(num_samples=...), run_config=tune.RunConfig(stop=...)).fit()",
+        "run_experiments": "see run. Hint: one tune.Tuner(...).fit() per experiment",
+        "Experiment": "see run. Hint: describe the sweep with tune.Tuner(...)",
+        "ExperimentAnalysis": "a sweep's results are its ResultGrid. Hint: tune.Tuner.restore(path, "
+                              "trainable).get_results() reads a sweep from its directory",
+        "register_trainable": "trainables are passed by value, not registered by name. Hint: pass the "
+                              "function or Trainable class to tune.Tuner",
+        "register_env": "RLlib environments are not part of unbroken. Hint: build the environment inside "
+                        "the trainable",
+        "PlacementGroupFactory": "a trial's resources are a dict or a ScalingConfig. Hint: "
+                                 "tune.with_resources(trainable, {'cpu': 2, 'gpu': 1})",
+        "TuneError": "unbroken raises its own errors. Hint: catch unbroken.errors.UnbrokenError (a "
+                     "failed trial is in ResultGrid.errors)",
+        "SyncConfig": "trials write straight to storage_path; there is nothing to sync. Hint: drop "
+                      "sync_config",
+        "ResumeConfig": "Tuner.restore takes resume_unfinished, resume_errored and restart_errored. Hint: "
+                        "tune.Tuner.restore(path, trainable, resume_errored=True)",
+        **{name: "the sweep driver logs one line per trial start and end on the 'unbroken' logger. Hint: "
+                 "write a tune.Callback (on_trial_result) for a table of your own"
+           for name in ("CLIReporter", "JupyterNotebookReporter", "ProgressReporter")},
+    },
+    "unbroken.tune.search": {
+        **{name: "no counterpart: OptunaSearch covers TPE, CMA-ES and Gaussian-process sampling through "
+                 "Optuna's samplers. Hint: from unbroken.tune.search import OptunaSearch"
+           for name in ("HyperOptSearch", "BayesOptSearch", "AxSearch", "TuneBOHB", "HEBOSearch",
+                        "NevergradSearch", "ZOOptSearch", "SkOptSearch", "DragonflySearch", "BOHBSearch",
+                        "SigOptSearch", "FLAMLSearch")},
+        "Repeater": "no counterpart. Hint: repeat a config with num_samples and a grid_search of seeds, and "
+                    "average in get_dataframe()",
+        "SearchGenerator": "searchers of your own are not supported. Hint: use BasicVariantGenerator or "
+                           "OptunaSearch",
+        "create_searcher": "Hint: build the searcher itself: BasicVariantGenerator() or OptunaSearch(...)",
+    },
     "unbroken.tune.logger": {
         **{name: "each trial writes its rows to result.json and progress.csv in its run directory by "
                  "itself. Hint: drop it from RunConfig(callbacks=...)"

@@ -19,6 +19,9 @@ Layer 7 (public API, with its sweep machinery: `tuner`, `saved_sweep`, `sweep_dr
 
 from __future__ import annotations
 
+from typing import Any
+
+from unbroken.core import ray_names as _ray_names
 from unbroken.train import (
     Checkpoint,
     CheckpointConfig,
@@ -58,3 +61,7 @@ __all__ = [
     "quniform", "randint", "randn", "sample_from", "uniform", "with_parameters", "with_resources",
     "get_checkpoint", "get_context", "report",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    _ray_names.refuse(__name__, name)  # a Ray Tune name unbroken does not provide: says what instead

@@ -8,9 +8,16 @@
 - `ConcurrencyLimiter(searcher, max_concurrent)`: at most that many of its trials at once.
 """
 
+from typing import Any
+
+from unbroken.core import ray_names as _ray_names
 from unbroken.tune.search.basic_variant import BasicVariantGenerator
 from unbroken.tune.search.concurrency_limiter import ConcurrencyLimiter
 from unbroken.tune.search.optuna import OptunaSearch
 from unbroken.tune.search.searcher import Searcher
 
 __all__ = ["BasicVariantGenerator", "ConcurrencyLimiter", "OptunaSearch", "Searcher"]
+
+
+def __getattr__(name: str) -> Any:
+    _ray_names.refuse(__name__, name)  # a Ray Tune name unbroken does not provide: says what instead
