@@ -295,8 +295,12 @@ def test_ray_tune_schedulers_unbroken_does_not_provide_say_what_instead(name, hi
 def test_ray_tune_scheduler_module_paths_import():
     from unbroken.tune import schedulers
     from unbroken.tune.schedulers.async_hyperband import ASHAScheduler, AsyncHyperBandScheduler
+    from unbroken.tune.schedulers.hyperband import HyperBandScheduler
+    from unbroken.tune.schedulers.pbt import PopulationBasedTraining
 
     assert ASHAScheduler is AsyncHyperBandScheduler is schedulers.ASHAScheduler
+    assert HyperBandScheduler is schedulers.HyperBandScheduler
+    assert PopulationBasedTraining is schedulers.PopulationBasedTraining
 
 
 @pytest.mark.parametrize("statement,hint", [
@@ -305,6 +309,7 @@ def test_ray_tune_scheduler_module_paths_import():
     ("from unbroken.tune import CLIReporter", "tune.Callback"),
     ("from unbroken.tune.search import HyperOptSearch", "OptunaSearch"),
     ("from unbroken.tune.logger import TBXLoggerCallback", "LoggerCallback"),
+    ("from unbroken.tune.schedulers.pb2 import PB2", "PopulationBasedTraining"),
 ])
 def test_ray_tune_names_without_a_counterpart_say_what_instead(statement, hint):
     from unbroken.errors import UnsupportedAPIError

@@ -13,8 +13,8 @@ from unbroken.errors import UnsupportedAPIError
 
 _HYPERBAND = ("HyperBand for BOHB (with TuneBOHB's searcher) is not provided. Hint: use HyperBandScheduler "
               "(synchronous HyperBand) or ASHAScheduler(brackets=N) with OptunaSearch")
-_PBT = ("only PopulationBasedTraining is provided. Hint: use PopulationBasedTraining(hyperparam_mutations="
-        "...) from unbroken.tune.schedulers")
+_PBT = ("only PopulationBasedTraining is provided (PB2's Gaussian-process bandit is not). Hint: use "
+        "PopulationBasedTraining(hyperparam_mutations=...) from unbroken.tune.schedulers")
 
 NOT_PROVIDED: dict[str, dict[str, str]] = {
     "unbroken.air": {
