@@ -10,8 +10,10 @@ import traceback
 from typing import Any
 
 from unbroken.core.config import CheckpointConfig, stop_met_at_resume
+from unbroken.errors import TornCheckpointError
 from unbroken.run.callbacks import CallbackList
 from unbroken.run.stragglers import Stragglers
+from unbroken.store import commit
 from unbroken.store import manifest as mf
 from unbroken.store.checkpoint_manager import CheckpointManager
 from unbroken.store.commit import FileEntry, Marker
@@ -64,10 +66,19 @@ class Run:
     # -- attempts -----------------------------------------------------------------------
     def finished_at_stop(self, stop: Any) -> bool:
         """Record the run as FINISHED, with no new attempt, when the checkpoint it would resume
-        from had met `stop` (see `config.stop_met_at_resume`); whether it did."""
-        self.lease.beat()
+        from had met `stop` (see `config.stop_met_at_resume`); whether it did. Costs a listing
+        and one marker read unless it did (the resume verifies the checkpoint as usual)."""
+        if stop is None:
+            return False
+        names, _ = commit.scan(self.storage)
+        try:
+            newest = commit.read_marker(self.storage, names[-1]) if names else None
+        except TornCheckpointError:
+            return False  # the attempt sets it aside and resumes from an earlier one
+        if newest is None or not stop_met_at_resume(stop, newest.metrics):
+            return False
         resume = self.checkpoints.recover()
-        if resume is None or not stop_met_at_resume(stop, resume.metrics):
+        if resume is None or resume.name != newest.name:
             return False
         self._abort_unended()
         log.info("run %s: its checkpoint %s met RunConfig.stop; the run is finished", self.path, resume.name)
