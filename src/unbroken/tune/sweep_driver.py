@@ -53,6 +53,7 @@ from unbroken.tune.sweep_stop import (
     TrialStop,
     fail_fast,
     mark_stopped,
+    needs_wrapping,
     trial_stopper,
     unmark_stopped,
     user_stop,
@@ -227,8 +228,10 @@ class SweepDriver:
     def _trial_stop(self, record: TrialRecord) -> TrialStop:
         """The user's stop condition as this trial asks it, which also stops it once the sweep
         has ended (see sweep_stop)."""
+        stop = user_stop(self.trainable, self.run_config)
+        wrapped = needs_wrapping(stop, self.time_budget_s, fail_fast(self.trainable, self.run_config))
         return TrialStop(record.name, trial_id(self.manifest, record), self.storage.url(),
-                         self.run_config.storage_filesystem, user_stop(self.trainable, self.run_config))
+                         self.run_config.storage_filesystem, stop, wrapped)
 
     def _trainer(self, record: TrialRecord) -> Any:
         stop = trial_stopper(self._trial_stop(record), self.population, self.scheduler, self.metric,

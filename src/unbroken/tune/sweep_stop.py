@@ -23,7 +23,7 @@ import json
 import time
 from typing import Any
 
-from unbroken.core.config import stop_met, stop_met_at_resume
+from unbroken.core.config import stop_due_at, stop_met, stop_met_at_resume
 from unbroken.store import history
 from unbroken.store.manifest_base import META_DIR
 from unbroken.store.storage import Storage
@@ -47,6 +47,14 @@ def takes_trial_id(fn: Any) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
+def needs_wrapping(stop: Any, time_budget_s: float | None, fail_fast: Any) -> bool:
+    """Whether a sweep's trials need a `TrialStop`: a stopper or `fn(trial_id, result)` to ask,
+    or a sweep that can end before its trials do. Otherwise a trial's stop is the user's as it
+    is (a dict or `fn(result)`, or None), which its run stores as plain data where it can."""
+    return bool(time_budget_s is not None or fail_fast or isinstance(stop, st.Stopper)
+                or (callable(stop) and takes_trial_id(stop)))
+
+
 def ask(stop: Any, trial_id: str, row: dict[str, Any]) -> bool:
     """One verdict of a user's stop condition: a dict, `fn(result)`, `fn(trial_id, result)`."""
     if callable(stop) and takes_trial_id(stop):
@@ -58,8 +66,10 @@ class TrialStop:
     """The `RunConfig.stop` of one trial of a sweep: the user's stop condition for this trial
     (a dict, a function, a stopper), or yes once the sweep has ended."""
 
-    def __init__(self, trial: str, trial_id: str, sweep_url: str, storage_filesystem: Any, stop: Any) -> None:
+    def __init__(self, trial: str, trial_id: str, sweep_url: str, storage_filesystem: Any, stop: Any,
+                 wrapped: bool = True) -> None:
         self.trial = trial
+        self.wrapped = wrapped  # False: the trial needs only the user's stop (trial_stopper)
         self.trial_id = trial_id
         self.sweep_url = sweep_url
         self.storage_filesystem = storage_filesystem
@@ -88,6 +98,11 @@ class TrialStop:
             self._rebuild(iteration)
         self._last = iteration
         return bool(self._live(self.trial_id, row))
+
+    def verdict_from(self) -> int | None:
+        """The user's stop's first iteration, where it says (a dict's `training_iteration`):
+        a rank waits there for the verdict (see `config.stop_due_at`)."""
+        return stop_due_at(self.stop)
 
     def met_at_resume(self, row: dict[str, Any]) -> bool:
         """Whether the trial had stopped at the row it resumes from: the sweep has ended, or the
@@ -173,11 +188,12 @@ def fail_fast(trainable: Any, run_config: Any) -> bool | str:
 
 def trial_stopper(stop: TrialStop, population: Any, scheduler: Any, metric: str | None,
                   mode: str | None) -> Any:
-    """The RunConfig.stop of a trial: its `TrialStop`, inside the scheduler's stopper (the pause
-    of PBT or HyperBand, `population`; ASHA's rungs) when the sweep has one."""
+    """The RunConfig.stop of a trial: its `TrialStop` (or the user's stop itself, when it
+    needs none: `needs_wrapping`), inside the scheduler's stopper (the pause of PBT or
+    HyperBand, `population`; ASHA's rungs) when the sweep has one."""
     if population is not None:
         return population.trial_stopper(stop, metric)
     if scheduler is not None:
         return asha.TrialStopper(stop.trial, stop.sweep_url, stop.storage_filesystem, scheduler, metric, mode,
                                  stop)
-    return stop
+    return stop if stop.wrapped else stop.stop
