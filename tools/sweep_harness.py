@@ -11,17 +11,20 @@ is one of:
     time for a random n; a trial that finished at its own stop, on a perturbation point,
     then looks like a trial paused there.
 The sweep is then run again by the same script (auto-resume by name) until it prints its
-result.
+result. With --hyperband, the sweep is a synchronous HyperBand one instead (9 trials in one
+bracket, judged at iterations 1 and 3, the best running to 9; no stop of their own): a kill
+between a trial's pause and its record, or between rungs, must not change who goes on.
 
 Invariants checked at the end of each trial:
   - every launch ends by the kill we injected, or finishes the sweep;
   - the sweep's result (each trial's lr, score and step) equals the uninterrupted sweep's;
-  - a finished trial never runs again: no trial has a row past its stop, in any attempt;
-  - each trial's history has each iteration once, 1 to 6;
+  - a finished trial never runs again: no trial has a row past where it stopped in the
+    uninterrupted sweep, in any attempt;
+  - each trial's history has each iteration once, the same ones as uninterrupted (1 to 6);
   - each trial's lineage (its exploits) equals the uninterrupted sweep's;
   - sweep.json says FINISHED, every trial TERMINATED.
 
-Usage:  python tools/sweep_harness.py --trials 10 [--seed N] [--json]
+Usage:  python tools/sweep_harness.py --trials 10 [--seed N] [--json] [--hyperband]
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
 
@@ -46,14 +49,23 @@ import sys
 from sweep_harness import pbt_loop
 from unbroken import tune
 from unbroken.train import RunConfig
-from unbroken.tune.schedulers import PopulationBasedTraining
+from unbroken.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
-pbt = PopulationBasedTraining(perturbation_interval=2, quantile_fraction=0.25, resample_probability=0.25,
-                              hyperparam_mutations={"lr": [0.1, 0.2, 0.3, 0.4, 0.5]}, synch=True)
-grid = tune.Tuner(pbt_loop, param_space={"lr": tune.grid_search([0.1, 0.2, 0.3, 0.4]), "iterations": 8},
-                  tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=pbt, seed=3),
+if sys.argv[3] == "pbt":
+    scheduler = PopulationBasedTraining(
+        perturbation_interval=2, quantile_fraction=0.25, resample_probability=0.25,
+        hyperparam_mutations={"lr": [0.1, 0.2, 0.3, 0.4, 0.5]}, synch=True)
+    space = {"lr": tune.grid_search([0.1, 0.2, 0.3, 0.4]), "iterations": 8}
+    stop = {"training_iteration": STOP_AT}
+else:  # synchronous HyperBand: one bracket of 9 trials judged at 1 and 3, one that runs to 9
+    scheduler = HyperBandScheduler(max_t=9, reduction_factor=3)
+    space = {"lr": tune.grid_search([0.5, 0.1, 0.4, 0.2, 0.9, 0.3, 0.7, 0.6, 0.8]), "iterations": 20}
+    stop = None
+grid = tune.Tuner(pbt_loop, param_space=space,
+                  tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=scheduler, seed=3,
+                                              max_concurrent_trials=2),
                   run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1], verbose=0,
-                                       stop={"training_iteration": STOP_AT})).fit()
+                                       stop=stop)).fit()
 print("DONE", [(r.config["lr"], round(r.metrics["score"], 9), r.metrics["step"]) for r in grid], flush=True)
 """.replace("STOP_AT", str(STOP_AT))
 
@@ -106,32 +118,39 @@ def _rows(path: str, trial: str) -> list[dict[str, Any]]:
 
 
 class SweepHarness:
-    def __init__(self, seed: int, workdir: str) -> None:
+    def __init__(self, seed: int, workdir: str, scheduler: str = "pbt") -> None:
         self.rng = random.Random(seed)
         self.workdir = workdir
+        self.scheduler = scheduler  # "pbt" or "hyperband"
+        self.iterations: dict[str, list[int]] = {}  # each trial's kept iterations, uninterrupted
         self.counts: Counter[str] = Counter()
         self.violations: list[str] = []
         self.done = ""
         self.lineages: dict[str, list] = {}
 
+    def _command(self, name: str) -> list[str]:
+        return [sys.executable, "-u", "-c", DRIVER, self.workdir, name, self.scheduler]
+
     def reference(self) -> None:
-        out = subprocess.run([sys.executable, "-c", DRIVER, self.workdir, "reference"], env=_env(),
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(self._command("reference"), env=_env(), capture_output=True, text=True,
+                             timeout=600)
         done = _done(out.stdout)
         if out.returncode != 0 or done is None:
             raise RuntimeError(f"the uninterrupted sweep failed:\n{out.stdout}\n{out.stderr}")
         self.done = done
         path = os.path.join(self.workdir, "reference")
-        self.lineages = {f"trial_{i:05d}": _lineage(path, f"trial_{i:05d}") for i in range(4)}
+        trials = [t["name"] for t in json.load(open(os.path.join(path, ".unbroken", "sweep.json")))["trials"]]
+        self.lineages = {name: _lineage(path, name) for name in trials}
+        self.iterations = {name: _timeline(_rows(path, name)) for name in trials}
 
     def trial(self, index: int) -> None:
         name, where = f"sweep{index}", f"trial {index}"
         path = os.path.join(self.workdir, name)
         for _launch in range(MAX_LAUNCHES):
             if self.rng.random() < 0.5:
-                fault = f"before_trial_record:{self.rng.randint(1, 4)}:kill"
-                proc = subprocess.run([sys.executable, "-c", DRIVER, self.workdir, name], env=_env(fault),
-                                      capture_output=True, text=True, timeout=600)
+                fault = f"before_trial_record:{self.rng.randint(1, len(self.iterations))}:kill"
+                proc = subprocess.run(self._command(name), env=_env(fault), capture_output=True, text=True,
+                                      timeout=600)
                 out, code, how = proc.stdout, proc.returncode, "fault"
             else:
                 out, code, how = self._kill_after_reports(name, self.rng.randint(1, 10))
@@ -149,8 +168,8 @@ class SweepHarness:
         self.violations.append(f"{where}: no end after {MAX_LAUNCHES} launches")
 
     def _kill_after_reports(self, name: str, target: int) -> tuple[str, int, str]:
-        proc = subprocess.Popen([sys.executable, "-u", "-c", DRIVER, self.workdir, name], env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(self._command(name), env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
         lines, seen = [], 0
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -169,15 +188,16 @@ class SweepHarness:
                                    f"{self.done}")
         manifest = json.load(open(os.path.join(path, ".unbroken", "sweep.json")))
         statuses = [t["status"] for t in manifest["trials"]]
-        if manifest["status"] != "FINISHED" or statuses != ["TERMINATED"] * 4:
+        if manifest["status"] != "FINISHED" or set(statuses) != {"TERMINATED"}:
             self.violations.append(f"{where}: sweep.json says {manifest['status']}, trials {statuses}")
         for trial, want in self.lineages.items():
-            rows = _rows(path, trial)
-            past = [r["training_iteration"] for r in rows if r["training_iteration"] > STOP_AT]
+            rows, last = _rows(path, trial), self.iterations[trial][-1]
+            past = [r["training_iteration"] for r in rows if r["training_iteration"] > last]
             if past:
-                self.violations.append(f"{where}: {trial} ran past its stop ({STOP_AT}): iterations {past}")
+                self.violations.append(f"{where}: {trial} ran past where it stopped ({last}): "
+                                       f"iterations {past}")
             kept = _timeline(rows)
-            if kept != list(range(1, STOP_AT + 1)):
+            if kept != list(range(1, last + 1)) or kept != self.iterations[trial]:
                 self.violations.append(f"{where}: {trial}'s history has iterations {kept}")
             if _lineage(path, trial) != want:
                 self.violations.append(f"{where}: {trial}'s lineage differs from the uninterrupted sweep's")
@@ -194,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    parser.add_argument("--hyperband", action="store_true",
+                        help="a synchronous HyperBand sweep instead of population-based training")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-sweep-crash-") as workdir:
-        harness = SweepHarness(seed, workdir)
+        harness = SweepHarness(seed, workdir, "hyperband" if args.hyperband else "pbt")
         harness.reference()
         for i in range(args.trials):
             harness.trial(i)

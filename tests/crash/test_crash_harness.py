@@ -132,6 +132,12 @@ def test_a_pbt_sweep_killed_at_random_moments_ends_as_if_it_never_stopped():
     check(run_harness(4, "--sweep"), 4, commit_kills=0, restores=2)
 
 
+def test_a_hyperband_sweep_killed_at_random_moments_ends_as_if_it_never_stopped():
+    # Synchronous HyperBand: kills between a trial's pause and its record, or between rungs,
+    # must not change which trials go on, or let one run past where it was stopped.
+    check(run_harness(2, "--sweep", "--hyperband"), 2, commit_kills=0, restores=1)
+
+
 @pytest.mark.slow
 def test_a_pbt_sweep_killed_at_random_moments_soak():
     check(run_harness(60, "--sweep"), 60, commit_kills=0)
