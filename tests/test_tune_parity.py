@@ -511,3 +511,57 @@ def test_synchronous_hyperband_halves_each_bracket_at_its_rungs_and_its_decision
     os.remove(os.path.join(block, "trial_00004"))
     again = run_script(HYPERBAND, storage, "killed").stdout
     assert next(line for line in again.splitlines() if line.startswith("DONE")) == done
+
+
+# -- a Ray Tune example, ported by its imports, killed mid-sweep and restored ------------------------
+
+EXAMPLE = """
+import sys
+from tune_loops import Recorder, tune_loop
+from unbroken import tune
+from unbroken.tune.schedulers import HyperBandScheduler
+from unbroken.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+from unbroken.tune.stopper import CombinedStopper, MaximumIterationStopper, TrialPlateauStopper
+
+param_space = {"base": tune.randint(1, 10), "x": tune.sample_from(lambda spec: spec.config.base * 2),
+               "y": tune.qrandn(0, 1, 0.25), "cap": 5, "iterations": 20, "echo": True}
+stopper = CombinedStopper(MaximumIterationStopper(max_iter=20),
+                          TrialPlateauStopper(metric="score", std=0.01, num_results=3, grace_period=3))
+tuner = tune.Tuner(
+    tune_loop, param_space=param_space,
+    tune_config=tune.TuneConfig(num_samples=9, metric="score", mode="max", seed=5,
+                                scheduler=HyperBandScheduler(max_t=9, reduction_factor=3),
+                                search_alg=ConcurrencyLimiter(BasicVariantGenerator(), max_concurrent=2)),
+    run_config=tune.RunConfig(name=sys.argv[2], storage_path=sys.argv[1], stop=stopper, verbose=0,
+                              callbacks=[Recorder(sys.argv[3])]))
+results = tuner.fit() if not tune.Tuner.can_restore(sys.argv[1] + "/" + sys.argv[2]) else \\
+    tune.Tuner.restore(sys.argv[1] + "/" + sys.argv[2], tune_loop).fit()
+best = results.get_best_result()
+print("DONE", sorted((r.trial_name, r.metrics["it"], r.metrics["score"]) for r in results), best.config["x"],
+      flush=True)
+"""
+
+
+def test_a_ray_tune_example_ported_by_its_imports_is_killed_mid_sweep_and_restored(storage, tmp_path):
+    """HyperBand, a combined stopper, sample_from and qrandn, a ConcurrencyLimiter and a sweep
+    callback, as a Ray Tune example writes them: killed after its fifth reported row (inside
+    the bracket's best trial), then restored with Tuner.restore; it ends as the uninterrupted
+    sweep does, and the callback saw each result once."""
+    def done(out):
+        return next(line for line in out.splitlines() if line.startswith("DONE"))
+
+    reference = done(run_script(EXAMPLE, storage, "reference", str(tmp_path / "reference.jsonl")).stdout)
+    log = str(tmp_path / "killed.jsonl")
+    driver = start_script(EXAMPLE, storage, "killed", log)
+    seen = 0
+    for line in driver.stdout:
+        seen += "REPORTED" in line
+        if seen == 5:
+            break
+    kill_and_reap(driver)
+    assert seen == 5 and sweep_json(os.path.join(storage, "killed"))["status"] == "RUNNING"
+    assert done(run_script(EXAMPLE, storage, "killed", log).stdout) == reference
+    results = [tuple(e[1:3]) for e in events(log) if e[0] == "result"]
+    assert len(results) == len(set(results)), "each result once across the kill"
+    assert sorted(results) == sorted(tuple(e[1:3]) for e in events(str(tmp_path / "reference.jsonl"))
+                                     if e[0] == "result")
