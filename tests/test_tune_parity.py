@@ -200,6 +200,9 @@ def test_fail_fast_ends_the_sweep_at_the_first_errored_trial(storage):
     path = os.path.join(storage, "ff-True")
     assert sweep_json(path)["stopped"]["reason"] == "fail_fast: trial_00000 errored"
     assert sweep_json(path)["status"] == "FINISHED"
+    shown = subprocess.run([sys.executable, "-m", "unbroken", "show", path], capture_output=True, text=True,
+                           check=True).stdout
+    assert "ended" in shown and "fail_fast: trial_00000 errored" in shown, shown
     assert statuses(path) == {"trial_00000": "ERROR", "trial_00001": "TERMINATED", "trial_00002": "PENDING"}
     assert grid.num_errors == 1 and grid[1].metrics["it"] < 30
     again = tune.Tuner.restore(path, tune_loop, resume_errored=True).fit()

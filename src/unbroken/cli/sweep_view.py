@@ -44,7 +44,8 @@ def sweep_summary(path: str, storage_filesystem: Any = None) -> dict[str, Any]:
             "status": mf.ABORTED if aborted else manifest.status, "recorded_status": manifest.status,
             "driver": driver, "created_at": manifest.created_at, "updated_at": manifest.updated_at,
             "metric": metric, "mode": mode, "best_trial": best, "num_samples": manifest.num_samples,
-            "searcher": manifest.searcher, "scheduler": manifest.scheduler, "trials": trials}
+            "searcher": manifest.searcher, "scheduler": manifest.scheduler, "trials": trials,
+            "ended": manifest.stopped, "running_s": manifest.running_s}
 
 
 def print_sweep(s: dict[str, Any]) -> None:
@@ -53,6 +54,8 @@ def print_sweep(s: dict[str, Any]) -> None:
         status += f" (sweep.json says {s['recorded_status']}; {GONE})"
     head = [["sweep", s["name"]], ["path", s["path"]], ["status", status],
             ["created", when(s["created_at"])], ["updated", when(s["updated_at"])]]
+    if s.get("ended"):  # stop_all, the time budget or fail_fast ended it (tune.sweep_stop)
+        head.append(["ended", f"{s['ended']['reason']}, {when(s['ended']['at'])}"])
     if s["metric"]:
         head.append(["metric", f"{s['metric']} ({s['mode']})"])
     if s["best_trial"]:
