@@ -36,6 +36,7 @@ from unbroken.core.config import stop_due_at, stop_met, stop_met_at_resume
 from unbroken.store import storage_lock
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
+from unbroken.tune.records import finite_number
 
 ASHA_DIR = f"{META_DIR}/asha"
 STOPPED_DIR = f"{ASHA_DIR}/stopped"
@@ -137,9 +138,6 @@ def forget_trial(storage: Storage, trial: str) -> None:
     storage.remove(f"{STOPPED_DIR}/{trial}.json")
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
 
 class TrialStopper:
     """The `RunConfig.stop` of one trial: its own stop condition, then the scheduler's."""
@@ -194,7 +192,7 @@ class TrialStopper:
         if self.scheduler is None:
             return False
         t = row.get(self.scheduler.time_attr)
-        reached = _number(t) and t >= self.scheduler.max_t
+        reached = finite_number(t) and t >= self.scheduler.max_t
         return reached or read_decision(self.storage, self.trial) is not None
 
     def __call__(self, row: dict[str, Any]) -> bool:
@@ -207,9 +205,9 @@ class TrialStopper:
     def _asha(self, row: dict[str, Any]) -> bool:
         sched = self.scheduler
         t, value = row.get(sched.time_attr), row.get(self.metric)
-        if _number(t):
+        if finite_number(t):
             self._last_t = max(self._last_t, t)
-        if not _number(t) or not _number(value):
+        if not finite_number(t) or not finite_number(value):
             return False  # rows without the metric are not judged (as in Ray)
         if self._stopped is None:
             self._stopped = read_decision(self.storage, self.trial) is not None

@@ -23,7 +23,6 @@ Each step is recorded before it is applied, as population-based training's are:
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
+from unbroken.tune.records import finite_number, read_record
 
 HB_DIR = f"{META_DIR}/hyperband"
 
@@ -95,31 +95,22 @@ class HyperBandScheduler:
         return n
 
 
-def _read(storage: Storage, rel: str) -> Any:
-    try:
-        return json.loads(storage.read_bytes(rel))
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def rung_of(storage: Storage, trial: str) -> int:
     """The rung the trial runs towards now."""
-    return (_read(storage, f"{HB_DIR}/state/{trial}.json") or {"rung": 0})["rung"]
+    return (read_record(storage, f"{HB_DIR}/state/{trial}.json") or {"rung": 0})["rung"]
 
 
 def pending(storage: Storage, trial: str) -> dict[str, Any] | None:
     """The trial's pause that no decision has handled yet, if any."""
-    paused = _read(storage, f"{HB_DIR}/paused/{trial}.json")
+    paused = read_record(storage, f"{HB_DIR}/paused/{trial}.json")
     return paused if paused is not None and paused["rung"] >= rung_of(storage, trial) else None
 
 
 def stopped(storage: Storage, trial: str) -> dict[str, Any] | None:
     """Why the trial was stopped at a rung, if it was."""
-    return _read(storage, f"{HB_DIR}/stopped/{trial}.json")
+    return read_record(storage, f"{HB_DIR}/stopped/{trial}.json")
 
 
 def finished_status(storage: Storage, trial: str, run: Any) -> str:
@@ -127,7 +118,7 @@ def finished_status(storage: Storage, trial: str, run: Any) -> str:
     PENDING when a decision let it go on after its last attempt began, else TERMINATED."""
     if pending(storage, trial) is not None:
         return sw.PAUSED
-    handled = (_read(storage, f"{HB_DIR}/state/{trial}.json") or {}).get("handled_at")
+    handled = (read_record(storage, f"{HB_DIR}/state/{trial}.json") or {}).get("handled_at")
     if stopped(storage, trial) is None and handled is not None and run.attempts and \
             run.attempts[-1].started_at < handled:
         return sw.PENDING
@@ -169,14 +160,14 @@ class HyperBandStopper:
 
     def met_at_resume(self, row: dict[str, Any]) -> bool:
         t = row.get(self.scheduler.time_attr)
-        last = self.scheduler.stop_last_trials and _number(t) and t >= self.scheduler.max_t
+        last = self.scheduler.stop_last_trials and finite_number(t) and t >= self.scheduler.max_t
         return stop_met_at_resume(self.user_stop, row) or bool(last)
 
     def __call__(self, row: dict[str, Any]) -> bool:
         if stop_met(self.user_stop, row):
             return True
         t = row.get(self.scheduler.time_attr)
-        if not _number(t):
+        if not finite_number(t):
             return False
         if t >= self.scheduler.max_t:
             return self.scheduler.stop_last_trials
@@ -192,7 +183,7 @@ def record_pause(storage: Storage, trial: str, rung: int, row: dict[str, Any], m
     value = row.get(metric) if metric else None
     storage.makedirs(f"{HB_DIR}/paused")
     storage.write_json(f"{HB_DIR}/paused/{trial}.json", {
-        "rung": rung, "t": t, "value": value if _number(value) else None,
+        "rung": rung, "t": t, "value": value if finite_number(value) else None,
         "iteration": row.get("training_iteration")})
 
 
@@ -228,7 +219,7 @@ class Bands:
         last = rows[-1] if rows else {}
         t = last.get(self.scheduler.time_attr)
         s, rung = self.scheduler.bracket_of(self._index(trial))[1], rung_of(self.storage, trial)
-        if _number(t) and self.scheduler.milestone(s, rung) <= t < self.scheduler.max_t and \
+        if finite_number(t) and self.scheduler.milestone(s, rung) <= t < self.scheduler.max_t and \
                 not stop_met(user_stop, last):
             record_pause(self.storage, trial, rung, last, self.metric, t)
 
@@ -252,7 +243,7 @@ class Bands:
         assert paused is not None, trial
         number, s, _ = self.scheduler.bracket_of(self._index(trial))
         rel = f"{HB_DIR}/decisions/{number}-{paused['rung']}.json"
-        decision = _read(self.storage, rel)
+        decision = read_record(self.storage, rel)
         if decision is None:
             decision = self._choose(trial, number, s, paused["rung"])
             self.storage.makedirs(f"{HB_DIR}/decisions")

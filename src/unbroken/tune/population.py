@@ -44,31 +44,23 @@ from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
 from unbroken.tune import pbt
 from unbroken.tune.pbt import PopulationBasedTraining
+from unbroken.tune.records import finite_number, read_record
 
 PBT_DIR = f"{META_DIR}/pbt"
 LINEAGE = mf.PBT_LINEAGE  # in a trial's run directory
 
 
-def _read(storage: Storage, rel: str) -> Any:
-    try:
-        return json.loads(storage.read_bytes(rel))
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def state(storage: Storage, trial: str, scheduler: PopulationBasedTraining) -> dict[str, Any]:
     """The trial's handled round, its next perturbation point and its config overrides."""
-    return _read(storage, f"{PBT_DIR}/state/{trial}.json") or {
+    return read_record(storage, f"{PBT_DIR}/state/{trial}.json") or {
         "round": 0, "next": scheduler.first_point(), "overrides": {}}
 
 
 def pending(storage: Storage, trial: str, scheduler: PopulationBasedTraining) -> dict[str, Any] | None:
     """The trial's pause that no decision has handled yet, if any."""
-    paused = _read(storage, f"{PBT_DIR}/paused/{trial}.json")
+    paused = read_record(storage, f"{PBT_DIR}/paused/{trial}.json")
     if paused is None or paused["round"] <= state(storage, trial, scheduler)["round"]:
         return None
     return paused
@@ -124,7 +116,7 @@ class PBTStopper:
         if stop_met(self.user_stop, row):
             return True
         t = row.get(self.scheduler.time_attr)
-        if not _number(t):
+        if not finite_number(t):
             return False
         storage = Storage.from_url(self.sweep_url, self.storage_filesystem)
         if self._state is None:
@@ -139,7 +131,7 @@ def record_pause(storage: Storage, trial: str, n: int, row: dict[str, Any], metr
                  t: float) -> None:
     """Record that `trial` paused for round `n` at `row` (its time `t`)."""
     score = row.get(metric) if metric else None
-    pause = {"round": n, "t": t, "score": score if _number(score) else None,
+    pause = {"round": n, "t": t, "score": score if finite_number(score) else None,
              "checkpoint": row["checkpoint_dir_name"], "iteration": row["training_iteration"]}
     storage.makedirs(f"{PBT_DIR}/rounds")
     storage.write_json(f"{PBT_DIR}/rounds/{trial}-{n:04d}.json", pause)  # what round n decides on
@@ -176,7 +168,7 @@ class Population:
         rows = history.timeline(history.read_rows(run))
         last = rows[-1] if rows else {}
         t, name = last.get(self.scheduler.time_attr), last.get("checkpoint_dir_name")
-        if not (_number(t) and t >= st["next"] and name) or stop_met(user_stop, last):
+        if not (finite_number(t) and t >= st["next"] and name) or stop_met(user_stop, last):
             return
         try:
             commit.read_marker(run, name)
@@ -199,7 +191,7 @@ class Population:
     def _pause(self, trial: str, n: int | None = None) -> dict[str, Any] | None:
         """The trial's pause of round `n`, or its latest."""
         rel = f"{PBT_DIR}/rounds/{trial}-{n:04d}.json" if n is not None else f"{PBT_DIR}/paused/{trial}.json"
-        return _read(self.storage, rel)
+        return read_record(self.storage, rel)
 
     def scores(self, n: int | None) -> dict[str, float]:
         """Each trial's score at its pause of round `n` (synch), or at its latest pause."""
@@ -207,7 +199,7 @@ class Population:
         for name in self.storage.listdir(f"{PBT_DIR}/paused"):
             trial = name[:-5]
             pause = self._pause(trial, n) if name.endswith(".json") else None
-            if pause and _number(pause.get("score")):
+            if pause and finite_number(pause.get("score")):
                 out[trial] = float(pause["score"])
         return out
 
@@ -230,7 +222,7 @@ class Population:
         assert paused is not None, trial
         n = paused["round"]
         rel = f"{PBT_DIR}/decisions/{trial}-{n:04d}.json"
-        decision = _read(self.storage, rel)
+        decision = read_record(self.storage, rel)
         if decision is None:
             decision = self._choose(trial, paused)
             self.storage.makedirs(f"{PBT_DIR}/decisions")
@@ -303,7 +295,7 @@ class Population:
 
     def _record_lineage(self, trial: str, decision: dict[str, Any]) -> None:
         run = self.storage.child(trial)
-        lineage = _read(run, LINEAGE) or []
+        lineage = read_record(run, LINEAGE) or []
         if not any(entry["round"] == decision["round"] for entry in lineage):
             kept = ("round", "t", "donor", "checkpoint", "score", "donor_score", "old_config", "new_config")
             lineage.append({k: decision[k] for k in kept})
