@@ -418,6 +418,8 @@ def test_optuna_define_by_run_and_multi_objective_studies_run_and_resume(storage
     assert sorted(t.values[0] for t in study.trials) == sorted(r.metrics["score"] for r in grid)
     with pytest.raises(ValueError, match="same length"):
         OptunaSearch(metric=["a", "b"], mode="min")
+    with pytest.raises(ValueError, match="evaluated_rewards.*Hint"):
+        OptunaSearch(points_to_evaluate=[{"x": 1.0}], evaluated_rewards=[0.5])
 
 
 # -- asynchronous PBT: an exploit of a donor that is further on -------------------------------------
@@ -568,3 +570,16 @@ def test_a_ray_tune_example_ported_by_its_imports_is_killed_mid_sweep_and_restor
     assert len(results) == len(set(results)), "each result once across the kill"
     assert sorted(results) == sorted(tuple(e[1:3]) for e in events(str(tmp_path / "reference.jsonl"))
                                      if e[0] == "result")
+
+
+def test_optuna_search_seed_seeds_its_proposals_whatever_the_sweep_s_seed(storage):
+    from unbroken.tune.search import OptunaSearch
+
+    def first_config(name, sweep_seed):
+        grid = tune.Tuner(tune_loop, param_space={"x": tune.uniform(0, 1), "iterations": 1},
+                          tune_config=tune.TuneConfig(num_samples=1, metric="score", mode="max",
+                                                      seed=sweep_seed, search_alg=OptunaSearch(seed=7)),
+                          run_config=RunConfig(name=name, storage_path=storage, verbose=0)).fit()
+        return grid[0].config["x"]
+
+    assert first_config("a", 1) == first_config("b", 2)

@@ -54,8 +54,8 @@ class OptunaSearch(Searcher):
     `metric` and `mode` default to TuneConfig's. `sampler`: an Optuna sampler instance; with
     the default (None), every proposal uses `TPESampler(seed=...)` seeded by the sweep's seed
     and the trial index, which makes a restored sweep propose what an uninterrupted one
-    would (given the same finished trials). A sampler of your own is used as it is.
-    `study_name` defaults to the sweep's name.
+    would (given the same finished trials); `seed` (Ray's) seeds them instead of the sweep's
+    seed. A sampler of your own is used as it is. `study_name` defaults to the sweep's name.
 
     `space`, as in Ray, instead of the param_space's domains: a dict of Optuna distributions
     by parameter name, or a define-by-run function `space(trial)` that calls
@@ -72,6 +72,8 @@ class OptunaSearch(Searcher):
     points_to_evaluate: list[dict[str, Any]] | None = None
     sampler: Any = None
     study_name: str | None = None
+    seed: int | None = None
+    evaluated_rewards: list[Any] | None = None
 
     upfront = False
 
@@ -87,9 +89,9 @@ class OptunaSearch(Searcher):
         if self.space is not None and not (callable(self.space) or isinstance(self.space, dict)):
             raise ValueError(f"OptunaSearch space must be a dict of Optuna distributions or a define-by-run "
                              f"function of the trial, got {self.space!r}")
-        if self.points_to_evaluate:
-            raise ValueError("OptunaSearch(points_to_evaluate=...) is not supported. Hint: run those "
-                             "configs as a sweep of their own (grid_search over them)")
+        if self.points_to_evaluate or self.evaluated_rewards:
+            raise ValueError("OptunaSearch(points_to_evaluate=..., evaluated_rewards=...) is not supported. "
+                             "Hint: run those configs as a sweep of their own (grid_search over them)")
         self._study: Any = None
         self._dists: dict[str, Any] = {}
         self._leaves: dict[str, Any] = {}
@@ -105,6 +107,8 @@ class OptunaSearch(Searcher):
         if self.space is not None:
             function = f"{getattr(self.space, '__module__', '')}.{getattr(self.space, '__qualname__', '')}"
             out["space"] = function if callable(self.space) else sorted(self.space)
+        if self.seed is not None:
+            out["seed"] = self.seed
         if isinstance(self.metric, list):
             out["objectives"] = list(zip(self.metric, self.mode, strict=True))
         return out
@@ -155,7 +159,8 @@ class OptunaSearch(Searcher):
     def propose(self, ctx: SearchContext, index: int) -> tuple[dict[str, Any], Any]:
         optuna = _import_optuna()
         if self.sampler is None:
-            self._study.sampler = optuna.samplers.TPESampler(seed=derive_seed(ctx.seed, index))
+            base = self.seed if self.seed is not None else ctx.seed
+            self._study.sampler = optuna.samplers.TPESampler(seed=derive_seed(base, index))
         if callable(self.space):  # define-by-run: the function suggests the parameters
             trial = self._study.ask()
             constants = self.space(trial) or {}
