@@ -423,24 +423,32 @@ class SweepDriver:
 
     def _release_paused(self) -> None:
         """Decide for the paused trials (population-based training, HyperBand) that can be (see
-        `ready`), and queue those that go on to run again, first (see `population`, `hyperband`)."""
-        paused = [r for r in self.manifest.trials if r.status == sw.PAUSED]
-        if not paused or self.population is None or len(self.manifest.trials) < self.total:
+        `ready`), and queue those that go on to run again, first (see `population`, `hyperband`).
+        Again while a decision ends trials: the ones they were waiting for may be ready then."""
+        while self.population is not None and len(self.manifest.trials) >= self.total:
+            paused = [r for r in self.manifest.trials if r.status == sw.PAUSED]
+            unfinished = [r.name for r in self.manifest.trials if r.status not in sw.DONE]
+            ready = [r for r in paused if self.population.ready(r.name, unfinished)]
+            if not ready:
+                return
+            for record in reversed(ready):
+                self._apply(record)
+            self.save()
+
+    def _apply(self, record: TrialRecord) -> None:
+        """Decide for a paused trial (or apply the decision made before): it stops, or it is
+        queued first to run on (with an exploit's new config)."""
+        decision = self.population.decide(record.name) if self.population.pending(record.name) else {}
+        if decision.get("action") == "stop":  # HyperBand: not among the best of its rung
+            record.stopped_early = decision["why"]
+            self._ended(record, sw.TERMINATED)
             return
-        unfinished = [r.name for r in self.manifest.trials if r.status not in sw.DONE]
-        for record in reversed([r for r in paused if self.population.ready(r.name, unfinished)]):
-            decision = self.population.decide(record.name) if self.population.pending(record.name) else {}
-            if decision.get("action") == "stop":  # HyperBand: not among the best of its rung
-                record.stopped_early = decision["why"]
-                self._ended(record, sw.TERMINATED)
-                continue
-            record.status, record.config = sw.PENDING, ss.spec(self._config_of(record.name))
-            record.overrides = self.population.overrides(record.name) or None
-            self.queue = [record.name] + [name for name in self.queue if name != record.name]
-            if decision.get("action") == "exploit":
-                self._say("%s exploits %s (%s) and continues with %s", record.name, decision["donor"],
-                          decision["checkpoint"], decision["overrides"])
-        self.save()
+        record.status, record.config = sw.PENDING, ss.spec(self._config_of(record.name))
+        record.overrides = self.population.overrides(record.name) or None
+        self.queue = [record.name] + [name for name in self.queue if name != record.name]
+        if decision.get("action") == "exploit":
+            self._say("%s exploits %s (%s) and continues with %s", record.name, decision["donor"],
+                      decision["checkpoint"], decision["overrides"])
 
     def _share(self, running: RunningTrials) -> int | None:
         """On a Ray cluster, the most workers the next trial may start with beside what the
