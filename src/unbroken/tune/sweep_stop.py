@@ -55,11 +55,10 @@ def needs_wrapping(stop: Any, time_budget_s: float | None, fail_fast: Any) -> bo
                 or (callable(stop) and takes_trial_id(stop)))
 
 
-def ask(stop: Any, trial_id: str, row: dict[str, Any]) -> bool:
-    """One verdict of a user's stop condition: a dict, `fn(result)`, `fn(trial_id, result)`."""
-    if callable(stop) and takes_trial_id(stop):
-        return bool(stop(trial_id, row))
-    return stop_met(stop, row)
+def ask(stop: Any, trial_id: str, row: dict[str, Any], with_id: bool) -> bool:
+    """One verdict of a user's stop condition: a dict, `fn(result)`, or `fn(trial_id, result)`
+    (`with_id`: `takes_trial_id(stop)`, worked out once per trial rather than per row)."""
+    return bool(stop(trial_id, row)) if with_id else stop_met(stop, row)
 
 
 class TrialStop:
@@ -74,6 +73,7 @@ class TrialStop:
         self.sweep_url = sweep_url
         self.storage_filesystem = storage_filesystem
         self.stop = stop
+        self._with_id = callable(stop) and takes_trial_id(stop)
         self._live: Any = None  # the copy asked now, or None until rebuilt
         self._last: Any = None  # the last iteration it was asked about
         self._checked_at = -MARKER_EVERY_S
@@ -91,7 +91,7 @@ class TrialStop:
         if self._sweep_ended():
             return True
         if not isinstance(self.stop, st.Stopper):  # stateless: nothing to rebuild
-            return ask(self.stop, self.trial_id, row)
+            return ask(self.stop, self.trial_id, row, self._with_id)
         iteration = row.get("training_iteration")
         if self._live is None or (isinstance(iteration, int) and isinstance(self._last, int)
                                   and iteration <= self._last):
