@@ -33,7 +33,8 @@ from unbroken.state.state_file import STATE_FILE
 from unbroken.store.commit import FileEntry
 from unbroken.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer
-from unbroken.worker.async_save import BackgroundSave, PendingCommit, PendingCommits
+from unbroken.execution.commit_ledger import PendingCommit, PendingCommits
+from unbroken.worker.async_save import BackgroundSave
 from unbroken.worker.protocol import Staged
 
 LATEST_BEFORE_STEP_12 = "checkpoint_000008"  # checkpoints every 4 steps

@@ -4,11 +4,13 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from conftest import read_until, run_script, start_script
+from conftest import driver_env, read_until, run_script, start_script
 from loops import REBUILDS, Handle, linear_loop, must_not_run, simple_loop
 from unbroken import train
 from unbroken.errors import (
@@ -404,3 +406,62 @@ def test_a_run_killed_after_the_report_that_met_its_stop_is_finished_not_run_fur
     attempts = json.load(open(manifest_path))["attempts"]
     assert [a["status"] for a in attempts] == ["ABORTED"] and again.metrics["training_iteration"] == 3
     assert [r["training_iteration"] for r in again.rows] == [1, 2, 3]
+
+
+CODE_SCRIPT = """
+import os
+import sys
+from unbroken import train
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+from unbroken.train.torch import TorchTrainer
+
+
+def loop(config):
+    start = train.get_checkpoint() is not None
+    for it in range(2):
+        if os.environ.get("FAIL_ONCE") and not start and it == 1:
+            raise RuntimeError("fails once")
+        train.report({"it": it})
+
+
+def changed(config):
+    for it in range(2):
+        train.report({"it": it + 100})
+
+
+storage, how = sys.argv[1], sys.argv[2]
+if how == "first":
+    try:
+        TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1),
+                     run_config=RunConfig(name="code", storage_path=storage)).fit()
+    except TrainingFailedError:
+        print("FAILED")
+elif how == "restore":
+    TorchTrainer.restore(os.path.join(storage, "code")).fit()
+elif how == "same":
+    TorchTrainer.restore(os.path.join(storage, "code"), train_loop_per_worker=loop).fit()
+elif how == "by-name":
+    TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1),
+                 run_config=RunConfig(name="code", storage_path=storage)).fit()
+else:
+    TorchTrainer.restore(os.path.join(storage, "code"), train_loop_per_worker=changed).fit()
+"""
+
+
+@pytest.mark.parametrize("how", ["restore", "same", "by-name", "changed"])
+def test_the_code_changed_message_appears_only_when_the_code_changed(storage, tmp_path, how):
+    # The function lives in a file, as in a user's script: its source is read when it is
+    # passed, and cannot be once restore() unpickled it.
+    script = tmp_path / "script.py"
+    script.write_text(CODE_SCRIPT)
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, str(script), storage, *args], env=driver_env(**env),
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    assert "FAILED" in run("first", FAIL_ONCE="1").stdout
+    again = run(how)
+    said = "changed since the run was saved" in again.stderr
+    assert said == (how == "changed"), again.stderr

@@ -2,6 +2,7 @@
 handed to a trainable without being saved anywhere, the resources each trial takes (CPUs, GPUs
 given out per trial), and Ray Tune's class API resumed from its checkpoints."""
 
+import json
 import os
 import zlib
 
@@ -11,7 +12,7 @@ from conftest import read_until, run_json, run_script, start_script, statuses
 from tune_loops import ACTIVE_ENV, BLOCK_ENV, Counter, gpu_env_loop, max_running, param_loop, tune_loop
 from unbroken import tune
 from unbroken.errors import InsufficientResourcesError, RestoreArgumentError
-from unbroken.train import DataParallelTrainer, RunConfig, ScalingConfig
+from unbroken.train import CheckpointConfig, DataParallelTrainer, FailureConfig, RunConfig, ScalingConfig
 from unbroken.tune import Tuner
 from unbroken.tune.gpu_slots import GpuSlots, gpus_per_trial
 
@@ -195,3 +196,50 @@ def test_with_parameters_reaches_a_class_trainable_s_setup(storage):
     assert [r["score"] for r in grid[0].rows] == [101, 102]
     with pytest.raises(TypeError, match="or a tune.Trainable subclass"):
         Tuner(Tuner)
+
+
+AT_END = [(7, 7, 7, "checkpoint_000007"), (4, 4, 8, "checkpoint_000004")]  # each trial's last row
+
+
+def _at_end_tuner(storage: str, name: str, stop, at_end: bool | None, max_failures: int = 0) -> Tuner:
+    return Tuner(Counter, param_space={"x": tune.grid_search([1, 2]), "iterations": 20},
+                 run_config=RunConfig(name=name, storage_path=storage, stop=stop,
+                                      failure_config=FailureConfig(max_failures=max_failures),
+                                      checkpoint_config=CheckpointConfig(checkpoint_at_end=at_end)))
+
+
+def _saved_total(result) -> int:
+    """The running total a class trial's final checkpoint holds (as a dict, or x=2's file)."""
+    with result.checkpoint.as_directory() as directory:
+        if os.path.exists(os.path.join(directory, "total.txt")):
+            return int(open(os.path.join(directory, "total.txt")).read())
+        return json.load(open(os.path.join(directory, ".trainable.json")))["state"]["total"]
+
+
+def test_checkpoint_at_end_saves_the_report_a_stop_ends_a_class_trial_at(storage):
+    grid = _at_end_tuner(storage, "at-end", {"score": 7}, True).fit()
+    # x=1 meets score >= 7 at step 7, x=2 at step 4; the trial's last report gets the checkpoint
+    assert [class_rows(r)[-1] for r in grid] == AT_END
+    assert [c for r in grid for *_, c in class_rows(r)[:-1] if c] == [], "no other checkpoint"
+    assert [_saved_total(r) for r in grid] == [7, 8]
+    assert [r.checkpoint.path.rstrip("/").rsplit("/", 1)[1] for r in grid] == ["checkpoint_000007",
+                                                                                "checkpoint_000004"]
+    # a stopper's verdict too; without checkpoint_at_end=True, a stopped trial saves nothing
+    stopped = _at_end_tuner(storage, "at-end-stopper", tune.stopper.MaximumIterationStopper(3), True).fit()
+    assert [class_rows(r)[-1][3] for r in stopped] == ["checkpoint_000003"] * 2
+    plain = _at_end_tuner(storage, "no-at-end", {"score": 7}, None).fit()
+    assert [[c for *_, c in class_rows(r)] for r in plain] == [[None] * 7, [None] * 4]
+    assert [r.checkpoint for r in plain] == [None, None]
+
+
+def test_a_rank_killed_saving_the_checkpoint_at_end_retries_and_saves_it_once(storage, tmp_path, monkeypatch):
+    log = str(tmp_path / "faults")
+    monkeypatch.setenv("UNBROKEN_FAULT", "before_attach_staged:1:kill::once")
+    monkeypatch.setenv("UNBROKEN_FAULT_LOG", log)
+    grid = _at_end_tuner(storage, "at-end-killed", {"score": 7}, True, max_failures=1).fit()
+    assert open(log).read().split()[0] == "before_attach_staged", "the rank was killed there"
+    assert [class_rows(r)[-1] for r in grid] == AT_END
+    assert [[row[0] for row in class_rows(r)] for r in grid] == [list(range(1, 8)), list(range(1, 5))]
+    assert [_saved_total(r) for r in grid] == [7, 8]
+    attempts = [[a["status"] for a in run_json(r.path)["attempts"]] for r in grid]
+    assert sorted(attempts) == [["ERRORED", "FINISHED"], ["FINISHED"]], attempts

@@ -1048,6 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(tools/sweep_harness.py)")
     parser.add_argument("--hyperband", action="store_true",
                         help="with --sweep: a synchronous HyperBand sweep instead of PBT")
+    parser.add_argument("--class", dest="class_", action="store_true",
+                        help="with --sweep: class trainables with checkpoint_at_end instead of PBT")
     parser.add_argument("--elastic", action="store_true",
                         help="an elastic run, num_workers=(2, 3), on a local 3-node Ray cluster that "
                              "loses nodes for good and gets them back among the faults")
@@ -1057,6 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return sweep_harness.main(["--trials", str(args.trials), *(["--json"] if args.json else []),
                                    *(["--hyperband"] if args.hyperband else []),
+                                   *(["--class"] if args.class_ else []),
                                    *(["--seed", str(args.seed)] if args.seed is not None else [])])
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves

@@ -14,6 +14,11 @@ The sweep is then run again by the same script (auto-resume by name) until it pr
 result. With --hyperband, the sweep is a synchronous HyperBand one instead (9 trials in one
 bracket, judged at iterations 1 and 3, the best running to 9; no stop of their own): a kill
 between a trial's pause and its record, or between rungs, must not change who goes on.
+With --class, 4 class trainables (`tune.Trainable`) stopped by a score, with
+`checkpoint_at_end=True` and a checkpoint every 3 steps; a launch may also SIGKILL a trial's
+rank at `before_attach_staged` (its checkpoint-at-end files staged, the driver not told),
+once, and the trial is retried (`max_failures=1`): each trial must still end with the
+checkpoint of the report its stop ended it at (the result printed names it).
 
 Invariants checked at the end of each trial:
   - every launch ends by the kill we injected, or finishes the sweep;
@@ -24,7 +29,7 @@ Invariants checked at the end of each trial:
   - each trial's lineage (its exploits) equals the uninterrupted sweep's;
   - sweep.json says FINISHED, every trial TERMINATED.
 
-Usage:  python tools/sweep_harness.py --trials 10 [--seed N] [--json] [--hyperband]
+Usage:  python tools/sweep_harness.py --trials 10 [--seed N] [--json] [--hyperband | --class]
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
 
@@ -46,9 +51,32 @@ MAX_LAUNCHES = 40
 
 DRIVER = """
 import sys
+import os
 from sweep_harness import pbt_loop
 from unbroken import tune
-from unbroken.train import RunConfig
+from unbroken.train import CheckpointConfig, FailureConfig, RunConfig
+
+
+class AtEndTrainable(tune.Trainable):
+    # w grows by lr each step; a checkpoint every 3 steps and one at the report its stop ends
+    # it at (checkpoint_at_end); prints REPORTED once the previous step's report is sent.
+
+    def setup(self, config):
+        self.w = 0.0
+
+    def step(self):
+        if self.iteration:
+            print("REPORTED", flush=True)
+        self.w += self.config["lr"]
+        return {"score": self.w, "step": self.iteration + 1}
+
+    def save_checkpoint(self, checkpoint_dir):
+        return {"w": self.w}
+
+    def load_checkpoint(self, checkpoint):
+        self.w = checkpoint["w"]
+
+
 from unbroken.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
 if sys.argv[3] == "pbt":
@@ -57,16 +85,25 @@ if sys.argv[3] == "pbt":
         hyperparam_mutations={"lr": [0.1, 0.2, 0.3, 0.4, 0.5]}, synch=True)
     space = {"lr": tune.grid_search([0.1, 0.2, 0.3, 0.4]), "iterations": 8}
     stop = {"training_iteration": STOP_AT}
-else:  # synchronous HyperBand: one bracket of 9 trials judged at 1 and 3, one that runs to 9
+    checkpoints, failures = CheckpointConfig(), FailureConfig()
+elif sys.argv[3] == "hyperband":  # synchronous HyperBand: one bracket of 9 trials judged at 1 and 3
     scheduler = HyperBandScheduler(max_t=9, reduction_factor=3)
     space = {"lr": tune.grid_search([0.5, 0.1, 0.4, 0.2, 0.9, 0.3, 0.7, 0.6, 0.8]), "iterations": 20}
     stop = None
-grid = tune.Tuner(pbt_loop, param_space=space,
+    checkpoints, failures = CheckpointConfig(), FailureConfig()
+else:  # class trainables stopped by a score, each with its checkpoint_at_end; a rank killed is retried
+    scheduler = None
+    space = {"lr": tune.grid_search([0.5, 1.0, 1.5, 2.0]), "iterations": 20}
+    stop = {"score": STOP_AT}
+    checkpoints = CheckpointConfig(checkpoint_frequency=3, checkpoint_at_end=True)
+    failures = FailureConfig(max_failures=1)
+grid = tune.Tuner(pbt_loop if sys.argv[3] != "class" else AtEndTrainable, param_space=space,
                   tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=scheduler, seed=3,
                                               max_concurrent_trials=2),
-                  run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1], verbose=0,
-                                       stop=stop)).fit()
-print("DONE", [(r.config["lr"], round(r.metrics["score"], 9), r.metrics["step"]) for r in grid], flush=True)
+                  run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1], verbose=0, stop=stop,
+                                       failure_config=failures, checkpoint_config=checkpoints)).fit()
+print("DONE", [(r.config["lr"], round(r.metrics["score"], 9), r.metrics["step"],
+                r.checkpoint and os.path.basename(r.checkpoint.path.rstrip("/"))) for r in grid], flush=True)
 """.replace("STOP_AT", str(STOP_AT))
 
 
@@ -93,13 +130,16 @@ def pbt_loop(config: dict) -> None:
         print("REPORTED", flush=True)
 
 
-def _env(fault: str | None = None) -> dict[str, str]:
+def _env(fault: str | None = None, log: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("UNBROKEN_FAULT", None)
+    env.pop("UNBROKEN_FAULT_LOG", None)
     if fault:
         env["UNBROKEN_FAULT"] = fault
+    if log:
+        env["UNBROKEN_FAULT_LOG"] = log
     return env
 
 
@@ -121,7 +161,7 @@ class SweepHarness:
     def __init__(self, seed: int, workdir: str, scheduler: str = "pbt") -> None:
         self.rng = random.Random(seed)
         self.workdir = workdir
-        self.scheduler = scheduler  # "pbt" or "hyperband"
+        self.scheduler = scheduler  # "pbt", "hyperband" or "class"
         self.iterations: dict[str, list[int]] = {}  # each trial's kept iterations, uninterrupted
         self.counts: Counter[str] = Counter()
         self.violations: list[str] = []
@@ -146,8 +186,14 @@ class SweepHarness:
     def trial(self, index: int) -> None:
         name, where = f"sweep{index}", f"trial {index}"
         path = os.path.join(self.workdir, name)
-        for _launch in range(MAX_LAUNCHES):
-            if self.rng.random() < 0.5:
+        for launch in range(MAX_LAUNCHES):
+            if self.scheduler == "class" and self.rng.random() < 0.3:
+                log = os.path.join(self.workdir, f"{name}-{launch}.faults")
+                proc = subprocess.run(self._command(name), timeout=600, capture_output=True, text=True,
+                                      env=_env("before_attach_staged:1:kill::once", log))
+                out, code, how = proc.stdout, proc.returncode, "rank, at-end save"
+                self.counts["at-end saves killed"] += os.path.exists(log)
+            elif self.rng.random() < 0.5:
                 fault = f"before_trial_record:{self.rng.randint(1, len(self.iterations))}:kill"
                 proc = subprocess.run(self._command(name), env=_env(fault), capture_output=True, text=True,
                                       timeout=600)
@@ -216,11 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     parser.add_argument("--hyperband", action="store_true",
                         help="a synchronous HyperBand sweep instead of population-based training")
+    parser.add_argument("--class", dest="class_", action="store_true",
+                        help="class trainables with checkpoint_at_end instead of population-based training")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-sweep-crash-") as workdir:
-        harness = SweepHarness(seed, workdir, "hyperband" if args.hyperband else "pbt")
+        mode = "hyperband" if args.hyperband else "class" if args.class_ else "pbt"
+        harness = SweepHarness(seed, workdir, mode)
         harness.reference()
         for i in range(args.trials):
             harness.trial(i)

@@ -138,6 +138,13 @@ def test_a_hyperband_sweep_killed_at_random_moments_ends_as_if_it_never_stopped(
     check(run_harness(2, "--sweep", "--hyperband"), 2, commit_kills=0, restores=1)
 
 
+def test_class_trials_killed_around_their_checkpoint_at_end_end_with_it():
+    # Class trainables with checkpoint_at_end, stopped by a score: the sweep driver killed at
+    # random, or a trial's rank killed with its at-end files staged and the driver not told
+    # (before_attach_staged, then retried): each trial ends with the checkpoint of its last report.
+    check(run_harness(4, "--sweep", "--class"), 4, commit_kills=0, restores=1)
+
+
 @pytest.mark.slow
 def test_a_pbt_sweep_killed_at_random_moments_soak():
     check(run_harness(60, "--sweep"), 60, commit_kills=0)

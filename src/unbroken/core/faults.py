@@ -25,7 +25,8 @@ parts folded in, before the parts are removed; see `store.appender`); before_val
 `execution.validations`); after_resize_stop (driver: an elastic run's attempt stopped at the
 checkpoint it asked for, to grow, and the next attempt has not started); during_peer_share
 (worker: an attempt recovering in place, between the size and the state of the transfer,
-see `worker.peer_state`).
+see `worker.peer_state`); before_attach_staged (worker: a stopped class trainable's
+`checkpoint_at_end` files are staged and the driver not told yet; see `report_pipeline`).
 """
 
 from __future__ import annotations

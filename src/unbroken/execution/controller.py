@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from unbroken.core import faults
-from unbroken.core.config import RunConfig, ScalingConfig, stop_due_at, stop_met
+from unbroken.core.config import RunConfig, ScalingConfig, stop_due_at
 from unbroken.errors import (
     InsufficientResourcesError,
     LeaseLostError,
@@ -29,7 +29,6 @@ from unbroken.errors import (
 )
 from unbroken.execution import controller_state as states
 from unbroken.execution import hang_stacks, in_place
-from unbroken.execution.checkpoint_cadence import Cadence
 from unbroken.execution.collective_calls import CollectiveCalls
 from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory, send_each
@@ -38,16 +37,15 @@ from unbroken.execution.in_place import InPlacePlan
 from unbroken.execution.jit_coordinator import Coordinator
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.rank_payload import rank_payload
+from unbroken.execution.report_pipeline import ReportPipeline, Round
 from unbroken.execution.report_rounds import ReportRounds
 from unbroken.execution.validations import ValidationRunner, Validations
 from unbroken.execution.worker_failures import first_line, give_up_error, record, root_cause, worker_exception
 from unbroken.run.handle import Run
 from unbroken.store import manifest as mf
-from unbroken.store.commit import Marker, round_name
-from unbroken.worker.async_save import PendingCommit, PendingCommits
+from unbroken.store.commit import Marker
 from unbroken.worker.protocol import (
     JIT_MESSAGES,
-    Committed,
     Done,
     Failed,
     Gather,
@@ -107,7 +105,7 @@ class Controller:
         self._cold = True  # the attempt's group has not been asked to warm up for a restart yet
         self._started = 0.0  # when the attempt's ranks were started
         self._warm: WorkerGroup | None = None  # a failed group that warmed up: the next starts from it
-        self._saves = PendingCommits(run.reported)  # the attempt's asynchronous saves not committed yet
+        self._reports = ReportPipeline(run, self.run_config)  # rows, commits, replies
         # An elastic run (num_workers=(min, max)): each attempt's size, from the engine's `capacity`.
         self._elastic = (ElasticScaler(self.scaling, capacity or Unbounded(),
                                        start_limit=getattr(trainer, "_elastic_start_limit", None))
@@ -116,7 +114,6 @@ class Controller:
         self._rejoin: tuple[WorkerGroup, InPlacePlan] | None = None  # ... for the next attempt
         self._placements: list[Placement] = []  # the attempt's ranks, by rank
         self._failures: list[tuple[int, BaseException]] = []  # the attempt's failures, by rank
-        self._cadence = Cadence(self.run_config.checkpoint_config.mean_time_between_failures_s)
 
     @property
     def state(self) -> states.ControllerState:
@@ -316,7 +313,7 @@ class Controller:
         INTERRUPTED (with the workers still running) on a second signal.
         """
         rounds = ReportRounds(self.scaling.num_workers, last_heard=time.monotonic())
-        self._saves = PendingCommits(self.run.reported)
+        self._reports.start_attempt()
         self._jit = Coordinator()
         self._collectives = CollectiveCalls(self.scaling.num_workers)
         failures: list[tuple[int, BaseException]] = []  # (rank, its error or WorkerDied), in order
@@ -333,7 +330,7 @@ class Controller:
                 now = time.monotonic()
                 timeout = POLL_S
                 if failures:
-                    can_complete = rounds.can_complete() or self._saves.can_complete(rounds.failed)
+                    can_complete = rounds.can_complete() or self._reports.can_complete(rounds.failed)
                     if not can_complete or now - failed_at >= ROUND_GRACE_S:
                         self._save_just_in_time(group, rounds, failures)
                         raise root_cause(group, failures)
@@ -358,7 +355,7 @@ class Controller:
                 else:
                     rounds.check_counts()
         finally:
-            self._saves.close()  # the rounds behind a save that never committed
+            self._reports.close()  # the rounds behind a save that never committed
 
     def _grow_when_possible(self, group: WorkerGroup) -> None:
         """An elastic run below max_workers: when a check is due and more workers can be placed,
@@ -388,14 +385,11 @@ class Controller:
     def _take(self, group: WorkerGroup, rounds: ReportRounds, failures: list[tuple[int, BaseException]],
               rank: int, message: Any) -> None:
         """Handle one event from the group; a failure is collected in `failures`, not raised."""
-        if isinstance(message, Report):
-            complete = rounds.add_report(rank, message)
-            if complete is not None:
-                self._complete_round(group, rounds, message.iteration, complete)
-        elif isinstance(message, Staged):
-            ready = self._saves.staged(rank, message)
-            if ready is not None:
-                self._commit_async(group, rounds, ready)
+        if isinstance(message, (Report, Staged)):
+            done = self._reports.take(group, rounds, rank, message,
+                                      self.scaling.num_workers if self._elastic is not None else None)
+            if done is not None:
+                self._complete_round(group, done)
         elif isinstance(message, JIT_MESSAGES):
             self._jit.take(group, rank, message)
         elif isinstance(message, Rendezvous):
@@ -417,48 +411,13 @@ class Controller:
         else:
             raise TypeError(f"rank {rank} sent an unknown message {message!r}")
 
-    def _complete_round(self, group: WorkerGroup, rounds: ReportRounds, iteration: int,
-                        by_rank: dict[int, Report]) -> None:
-        """Every rank reported round `iteration`: record it, get a restart ready once the attempt
-        has run a while, and reply to each rank whether to checkpoint or stop."""
-        row, saved = self._record_round(group, rounds, iteration, by_rank)
+    def _complete_round(self, group: WorkerGroup, done: Round) -> None:
+        """Every rank reported round `done` and it is recorded: get a restart ready once the
+        attempt has run a while, and reply to each rank whether to checkpoint or stop."""
         self._warm_up_when_due(group)
-        reply = self._reply(iteration, row, saved, by_rank[0].auto)
-        for rank in sorted(by_rank):
+        reply = self._reply(done)
+        for rank in range(self.scaling.num_workers):
             group.send(rank, reply)
-        if self.run_config.verbose >= 2:
-            log.info("run %s: %s", self.run.manifest.name, {k: v for k, v in row.items() if k != "timestamp"})
-
-    def _record_round(self, group: WorkerGroup, rounds: ReportRounds, iteration: int,
-                      by_rank: dict[int, Report]) -> tuple[dict[str, Any], bool]:
-        """Record the round's metric row (rank 0's metrics) and settle its checkpoint when
-        ranks saved one. Returns (the row, whether the round has a checkpoint)."""
-        staged = {r: m.files for r, m in by_rank.items() if m.files is not None}  # written already
-        pending = {r for r, m in by_rank.items() if m.pending}  # still writing in the background
-        saved = bool(staged or pending)
-        name = round_name(iteration, {r: by_rank[r].name for r in staged.keys() | pending})  # of those saving
-        metrics = by_rank[0].metrics
-        if self._elastic is not None:  # an elastic run's rows say how many workers made them
-            metrics = {**metrics, "world_size": self.scaling.num_workers}
-        row = self.run.record(iteration, metrics, name if saved else None,
-                              max(m.save_s for m in by_rank.values()) if saved else None,
-                              {r: m.forward_s for r, m in by_rank.items()})
-        metrics = [by_rank[r].metrics for r in sorted(by_rank)]
-        validation = next((by_rank[r].validation for r in sorted(by_rank) if by_rank[r].validation), None)
-        self._settle_checkpoint(group, rounds, PendingCommit(iteration, name, row, metrics, staged, pending,
-                                                             validation=validation if saved else None))
-        return row, saved
-
-    def _settle_checkpoint(self, group: WorkerGroup, rounds: ReportRounds, commit: PendingCommit) -> None:
-        """Commit a recorded round's checkpoint now when every rank wrote its files (a synchronous
-        save); with a save pending, once the ranks' background writes are durable (`_commit_async`),
-        now if their `Staged` came first. Every round goes through `_saves` (callbacks, in order)."""
-        if commit.files and not commit.waiting:
-            commit.marker = self.run.commit_checkpoint(commit.iteration, commit.per_rank_files(),
-                                                       commit.row, commit.name, commit.validation)
-        ready = self._saves.round(commit)
-        if ready is not None:
-            self._commit_async(group, rounds, ready)
 
     def _warm_up_when_due(self, group: WorkerGroup) -> None:
         """Once the attempt has run WARM_UP_AFTER_S (at its first round when it follows a failure:
@@ -469,32 +428,21 @@ class Controller:
             self._cold = False
             group.warm_up()
 
-    def _reply(self, iteration: int, row: dict[str, Any], saved: bool, auto: bool) -> Reply:
-        """The reply to round `iteration`: stop when its row meets `RunConfig.stop`; while Stopping
-        for a signal, ask for a checkpoint, then stop (`saved`: the round has a checkpoint); with
-        `auto` (the loop saves when asked), ask when the cadence says. It names the checkpoint
-        the round committed, if it did."""
-        stop, verdict_at = stop_met(self.run_config.stop, row), stop_due_at(self.run_config.stop)
-        latest = self.run.checkpoints.latest
-        committed = latest.name if latest is not None and latest.iteration == iteration else None
+    def _reply(self, done: Round) -> Reply:
+        """The pipeline's reply to round `done`; while Stopping for a signal or a resize, ask
+        for a checkpoint, then stop (`done.saved`: the round has a checkpoint)."""
         state = self.state
         if not isinstance(state, states.Stopping):
-            due = auto and self._cadence.due(row, saved, self.run.manifest.attempts, time.time())
-            return Reply(stop=stop, checkpoint=due, committed=committed, verdict_at=verdict_at)
+            return self._reports.reply(done)
+        committed = self._reports.committed(done.iteration)
         if state.asked_at is None:
-            self._transition(state.asking_at(iteration))
-            return Reply(stop=stop, checkpoint=True, committed=committed, verdict_at=verdict_at)
+            self._transition(state.asking_at(done.iteration))
+            return Reply(stop=done.stop, checkpoint=True, committed=committed,
+                         verdict_at=stop_due_at(self.run_config.stop), attach=done.attach)
         self._transition(state.stopping_workers())
-        if not saved:
+        if not done.saved:
+            latest = self.run.checkpoints.latest
             log.warning("run %s: the training loop did not attach a checkpoint to report %d when asked "
                         "(train.get_context().should_checkpoint() was true); a restore resumes from %s",
-                        self.run.path, iteration, latest.name if latest else "the start")
-        return Reply(stop=True, checkpoint=False, committed=committed)
-
-    def _commit_async(self, group: WorkerGroup, rounds: ReportRounds, save: PendingCommit) -> None:
-        """Commit an asynchronous save whose files every rank made durable, and tell the ranks
-        still running (`train.get_all_reported_checkpoints` waits for it)."""
-        marker = self.run.commit_checkpoint(save.iteration, save.per_rank_files(), save.row, save.name,
-                                            save.validation)
-        self._saves.committed(save, marker)
-        send_each(group, rounds.running, Committed(save.iteration, marker.name))
+                        self.run.path, done.iteration, latest.name if latest else "the start")
+        return Reply(stop=True, checkpoint=False, committed=committed, attach=done.attach)

@@ -149,13 +149,13 @@ class Run:
         self.lease.release()
 
     # -- reports ------------------------------------------------------------------------
-    def record(self, iteration: int, metrics: dict[str, Any], checkpoint_name: str | None,
-               save_s: float | None = None, forward_s: dict[int, float | None] | None = None) -> dict:
-        """Append the row for one report round (rank 0's metrics plus the run's counters);
-        `save_s`: for a round that saved a checkpoint, the longest any rank's loop was blocked
-        saving it, kept in the attempt's `checkpoint_stalls`. `forward_s`: each rank's forward
-        seconds since its previous report; a rank consistently slower than the others is named in the row
-        (`straggler_rank`, `straggler_ratio`) and the attempt (`Attempt.forward_s`)."""
+    def row(self, iteration: int, metrics: dict[str, Any],
+            forward_s: dict[int, float | None] | None = None) -> dict:
+        """The row of one report round (rank 0's metrics plus the run's counters), made but not
+        recorded yet: a verdict on it (`RunConfig.stop`) may decide the checkpoint it names.
+        `forward_s`: each rank's forward seconds since its previous report; a rank
+        consistently slower than the others is named in the row (`straggler_rank`,
+        `straggler_ratio`) and the attempt (`Attempt.forward_s`)."""
         assert self.attempt is not None
         now = time.monotonic()
         row = dict(metrics)
@@ -164,11 +164,7 @@ class Run:
                    iterations_since_restore=iteration - self.attempt.resumed_iteration,
                    time_total_s=self._time_base + since_restore, time_since_restore=since_restore,
                    time_this_iter_s=now - self._last_report_t, timestamp=time.time(),
-                   attempt=self.attempt.number, checkpoint_dir_name=checkpoint_name)
-        if save_s is not None:
-            if self.attempt.checkpoint_stalls is None:
-                self.attempt.checkpoint_stalls = {}
-            self.attempt.checkpoint_stalls[str(iteration)] = save_s
+                   attempt=self.attempt.number, checkpoint_dir_name=None)
         if forward_s:
             self._stragglers.add(forward_s)
             summary = self._stragglers.summary()
@@ -178,6 +174,18 @@ class Run:
                     row.update(straggler_rank=summary["straggler"]["rank"],
                                straggler_ratio=summary["straggler"]["ratio"])
         self._last_report_t = now
+        return row
+
+    def record(self, row: dict, checkpoint_name: str | None, save_s: float | None = None) -> dict:
+        """Append `row` (from `row()`), naming the checkpoint the round has or will have;
+        `save_s`: for a round that saved a checkpoint, the longest any rank's loop was blocked
+        saving it, kept in the attempt's `checkpoint_stalls`."""
+        assert self.attempt is not None
+        row["checkpoint_dir_name"] = checkpoint_name
+        if save_s is not None:
+            if self.attempt.checkpoint_stalls is None:
+                self.attempt.checkpoint_stalls = {}
+            self.attempt.checkpoint_stalls[str(row["training_iteration"])] = save_s
         self.history.append(row)
         self.callbacks.result(row)
         return row

@@ -44,7 +44,7 @@ from unbroken.worker.report_config import (
     ReportedCheckpointStatus,
     delete_after_upload,
 )
-from unbroken.worker.session import StorageContext, TrainContext
+from unbroken.worker.train_context import StorageContext, TrainContext
 
 __all__ = [
     "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "CheckpointConsistencyMode",

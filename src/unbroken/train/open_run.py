@@ -64,6 +64,8 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
     manifest = opening.existing(
         RUN, storage, exists=restored or manifest_exists(storage), restored=restored, resume=config.resume,
         check_identity=lambda m: check_identity(m, cls, trainer._init_args, path, config.allow_config_change))
+    if restored and manifest is not None:
+        _keep_stored_fingerprints(manifest, saved, trainer._restore_overrides)
     if _finished(manifest, trainer, saved):
         log.info("run %s already finished; returning its stored result", path)
         return None, Result.from_path(path, config.storage_filesystem)
@@ -89,6 +91,15 @@ def _finished(manifest: RunManifest | None, trainer: Any, saved: SavedTrainer) -
     if manifest is None or manifest.status != FINISHED or trainer._restore_overrides:
         return False
     return not identity_changes(manifest.identity, saved.fields["identity"])
+
+
+def _keep_stored_fingerprints(manifest: RunManifest, saved: SavedTrainer, overrides: frozenset[str]) -> None:
+    """A function restore() loaded from the run is the saved code itself: it keeps its stored
+    fingerprint (its source cannot be read once unpickled, so a new one would differ), and
+    only a re-specified function is compared with what was saved."""
+    for name in saved.fields["code_fingerprints"].keys() - overrides:
+        if name in manifest.code_fingerprints:
+            saved.fields["code_fingerprints"][name] = manifest.code_fingerprints[name]
 
 
 def _amendments(manifest: RunManifest, saved: SavedTrainer, path: str,

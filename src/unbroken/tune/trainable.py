@@ -6,7 +6,10 @@ object, loads the trial's latest committed checkpoint into it, then calls `step(
 reports each result as one row. A step saves a checkpoint every
 `CheckpointConfig.checkpoint_frequency` steps, when the driver asks for one (a preemption),
 when the step's result says `should_checkpoint=True` (`tune.result.SHOULD_CHECKPOINT`), and,
-unless `checkpoint_at_end=False`, with the result that says `done=True`. The checkpoint
+unless `checkpoint_at_end=False`, with the result that says `done=True`. With
+`checkpoint_at_end=True` also with the result that ends the trial otherwise (its stop, a
+stopper, a scheduler's decision): each report then waits for its verdict, and the one that
+ends the trial gets its checkpoint after it (see `report_pipeline`). The checkpoint
 holds what `save_checkpoint(checkpoint_dir)` wrote and `.trainable.json`: the step count and,
 when `save_checkpoint` returned a dict, that dict (then `load_checkpoint` gets the dict back,
 else the directory's path, as in Ray). A restore resumes at the step after the checkpoint's,
@@ -23,6 +26,8 @@ from typing import Any
 from unbroken import train
 from unbroken.train import Checkpoint
 from unbroken.tune.result import SHOULD_CHECKPOINT
+from unbroken.worker.session import StopTraining
+from unbroken.worker.session import current as current_session
 
 STATE_FILE = ".trainable.json"
 
@@ -144,10 +149,26 @@ class ClassRunner:
                 with tempfile.TemporaryDirectory(prefix="unbroken-trainable-") as directory:
                     self._save(trainable, directory)
                     train.report(result, checkpoint=Checkpoint.from_directory(directory))
-            else:
+            elif self.at_end is not True or done:
                 train.report(result)
+            else:
+                self._report_at_end(trainable, result)
             if done:
                 return
+
+    def _report_at_end(self, trainable: Trainable, result: dict[str, Any]) -> None:
+        """Report `result` without a checkpoint; when its verdict stops the trial (its stop, a
+        stopper, a scheduler), save the checkpoint `checkpoint_at_end` asks for, as that
+        report's (the trial ends with it, as in Tune)."""
+        session = current_session("train.report()")
+        try:
+            session.report(result, at_end=True)
+        except StopTraining as stop:
+            if stop.attach:
+                with tempfile.TemporaryDirectory(prefix="unbroken-trainable-") as directory:
+                    self._save(trainable, directory)
+                    session.attach(directory)
+            raise
 
     def _save(self, trainable: Trainable, directory: str) -> None:
         state = trainable.save_checkpoint(directory)

@@ -35,7 +35,9 @@ class Report:
     `time_checkpoint_s`, a run's checkpoint stall). `auto`: the loop saves when the driver
     asks (`TrainState.report(..., checkpoint="auto")`; see `checkpoint_cadence`). `forward_s`:
     the seconds this rank spent in its model's forward passes since its previous report (None
-    when unmeasured; see `forward_clock`)."""
+    when unmeasured; see `forward_clock`). `at_end`: with no files attached, this rank can
+    still save checkpoint N should the round's verdict end the run (a class trainable's
+    `checkpoint_at_end`): it waits for the reply, and the driver may answer `attach`."""
 
     iteration: int
     metrics: dict[str, Any]
@@ -46,6 +48,7 @@ class Report:
     save_s: float = 0.0
     auto: bool = False
     forward_s: float | None = None
+    at_end: bool = False
 
 
 @dataclass(slots=True)
@@ -55,12 +58,15 @@ class Reply:
     this round committed, if it did (`train.get_checkpoint()` follows it); `verdict_at`: the
     first iteration whose report `RunConfig.stop` may stop at, where it can say
     (`config.stop_due_at`): a rank waits for the verdict right after that report and the
-    ones after it, instead of running one more iteration before it learns it stops."""
+    ones after it, instead of running one more iteration before it learns it stops.
+    `attach`: with `stop`, to ranks that reported `at_end`: save checkpoint N of the round
+    just reported after all, and send its files as a `Staged(N)` before ending."""
 
     stop: bool = False
     checkpoint: bool = False
     committed: str | None = None
     verdict_at: int | None = None
+    attach: bool = False
 
 
 @dataclass(slots=True)

@@ -35,10 +35,11 @@ from unbroken.store.commit import (
     write_rank_files,
 )
 from unbroken.store.history import recordable
-from unbroken.store.storage import Storage, split_run_url
+from unbroken.store.storage import Storage
 from unbroken.worker.async_save import BackgroundSave, stage_job
-from unbroken.worker.protocol import Committed, Failed, Gather, Gathered, Reply, Report, Validated
+from unbroken.worker.protocol import Committed, Failed, Gather, Gathered, Reply, Report, Staged, Validated
 from unbroken.worker.report_config import ReportedCheckpoint, ReportedCheckpointStatus
+from unbroken.worker.train_context import TrainContext
 
 if TYPE_CHECKING:
     from unbroken.worker.backend import Backend
@@ -57,8 +58,14 @@ ATTEMPT_ENDED_EXIT = 75  # the exit status of a rank that finds its attempt over
 class StopTraining(BaseException):
     """Raised inside a worker's loop at a report when the driver stops the run.
 
-    A BaseException so that a user's `except Exception` does not swallow it.
+    A BaseException so that a user's `except Exception` does not swallow it. `attach`: the
+    report was made `at_end` and the driver asks for its checkpoint after all
+    (`Session.attach`).
     """
+
+    def __init__(self, attach: bool = False) -> None:
+        super().__init__()
+        self.attach = attach
 
 
 @dataclass
@@ -89,93 +96,6 @@ class WorkerInfo:
     validates: bool = False           # the trainer has a ValidationConfig: validations get done
     peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
     collective_timeout_s: float | None = None  # FailureConfig.collective_timeout_s
-
-
-class TrainContext:
-    """What `train.get_context()` returns: this worker's rank, sizes, run and attempt."""
-
-    def __init__(self, session: Session) -> None:
-        self.follow(session)
-
-    def follow(self, session: Session) -> None:
-        """Describe `session`'s attempt from now on (a loop that stays holds on to its context)."""
-        self._info = session.info
-        self._session = session
-
-    world_rank = property(lambda self: self._info.world_rank)
-    world_size = property(lambda self: self._info.world_size)
-    local_rank = property(lambda self: self._info.local_rank)
-    local_world_size = property(lambda self: self._info.local_world_size)
-    node_rank = property(lambda self: self._info.node_rank)
-    experiment_name = property(lambda self: self._info.experiment_name)
-    storage_path = property(lambda self: self._info.storage_path)
-    run_path = property(lambda self: self._info.run_path)
-    attempt = property(lambda self: self._info.attempt)
-    trial_name = property(lambda self: self._info.trial_name)
-    trial_id = property(lambda self: self._info.trial_id)
-
-    # Ray Train spellings, so ported scripts keep working.
-    def get_world_rank(self) -> int:
-        return self.world_rank
-
-    def get_world_size(self) -> int:
-        return self.world_size
-
-    def get_local_rank(self) -> int:
-        return self.local_rank
-
-    def get_local_world_size(self) -> int:
-        return self.local_world_size
-
-    def get_node_rank(self) -> int:
-        return self.node_rank
-
-    def get_experiment_name(self) -> str:
-        return self.experiment_name
-
-    def get_trial_name(self) -> str | None:
-        return self.trial_name
-
-    def get_trial_id(self) -> str | None:
-        return self.trial_id
-
-    def get_trial_dir(self) -> str | None:
-        """The trial's run directory (Ray Tune's name), or None outside a sweep."""
-        return self._info.trial_dir
-
-    def get_storage_path(self) -> str:
-        return self.storage_path
-
-    def get_attempt(self) -> int:
-        return self.attempt
-
-    def get_storage(self) -> StorageContext:
-        """Where the run lives: its storage root, filesystem and directory (Ray Train V2)."""
-        storage = self._info.storage
-        return StorageContext(storage_path=self.storage_path, experiment_dir_name=self.experiment_name,
-                              storage_filesystem=storage.fs, experiment_fs_path=storage.path(),
-                              storage_fs_path=split_run_url(storage.path())[0])
-
-    def should_checkpoint(self) -> bool:
-        """True when the driver asks for a checkpoint at this report (e.g. on preemption).
-
-        Every rank gets the same answer for the same report.
-        """
-        return self._session.should_checkpoint()
-
-
-@dataclass(frozen=True)
-class StorageContext:
-    """What `train.get_context().get_storage()` returns: the storage root as configured
-    (`storage_path`), the run's directory name in it (`experiment_dir_name`), the fsspec
-    filesystem, and the root and the run directory as paths on that filesystem. Write your
-    own files elsewhere than the run directory: its contents belong to unbroken."""
-
-    storage_path: str
-    experiment_dir_name: str
-    storage_filesystem: Any
-    storage_fs_path: str
-    experiment_fs_path: str
 
 
 class Session:
@@ -262,7 +182,7 @@ class Session:
         if self._awaiting_reply:
             self._took(self.receive(Reply))
         if self._reply.stop:
-            raise StopTraining()
+            raise StopTraining(self._reply.attach)
 
     def gather(self, op: str, data: bytes | None = None, error: str = "") -> Gathered:
         """Make collective call `op` through the driver (`train.collective` with no process
@@ -277,13 +197,16 @@ class Session:
 
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
                name: str | None = None, delete_local: bool = False, asynchronous: bool = False,
-               validation: dict[str, Any] | None = None) -> None:
+               validation: dict[str, Any] | None = None, at_end: bool = False) -> None:
         """Send this rank's report; with `checkpoint`, stage its files first (under the
         checkpoint directory `name` when given, checked by `commit.check_custom_name`) and
         then, with `delete_local`, delete the local directory. `asynchronous`: stage them in
         the background instead (the directory must stay as it is until then, unless
         `delete_local`: then it is moved aside at once and deleted once staged).
-        `validation`: the validation request for the checkpoint (`validation_request`)."""
+        `validation`: the validation request for the checkpoint (`validation_request`).
+        `at_end` (no checkpoint): should this round end the run, the rank can save its
+        checkpoint after all; it learns the verdict before this returns, and a
+        StopTraining with `attach` asks it to (`attach`)."""
         metrics = recordable(metrics, in_trial=self.info.trial_name is not None)
         if checkpoint is not None:
             self.saving()
@@ -309,7 +232,17 @@ class Session:
             if delete_local:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
         self._send_report(Report(iteration, metrics, files, name if files is not None else None,
-                                 validation=validation if files is not None else None))
+                                 validation=validation if files is not None else None,
+                                 at_end=at_end and files is None))
+
+    def attach(self, directory: str) -> None:
+        """Stage this rank's files in `directory` as the checkpoint of its latest report, which
+        ended the run and asked for them (StopTraining's `attach`), and tell the driver."""
+        storage = self.info.storage
+        files = write_rank_files(storage, staging_name(self.iteration, self.info.attempt, storage, None),
+                                 directory, self.info.world_rank, guard=self.check_attempt)
+        faults.point("before_attach_staged")  # crash tests: staged, and the driver not told yet
+        self.send(Staged(self.iteration, files))
 
     def report_async(self, metrics: dict[str, Any], produce: Callable[[], tuple[str, bool]]) -> None:
         """Report with a checkpoint that is written in the background: `produce()`, called in
@@ -355,7 +288,8 @@ class Session:
     def _send_report(self, report: Report, save: Callable[[], None] | None = None) -> None:
         """Send `report`, then start its background `save` (its `Staged` must follow it)."""
         iteration = report.iteration
-        asked = self._reply.checkpoint or (self._verdict_at is not None and iteration >= self._verdict_at)
+        asked = (self._reply.checkpoint or report.at_end
+                 or (self._verdict_at is not None and iteration >= self._verdict_at))
         if self._save_t0 is not None:
             report.save_s = time.monotonic() - self._save_t0
             self._save_t0 = None
