@@ -29,11 +29,11 @@ from test_exact_resume import (
     rng_for,
 )
 from unbroken.errors import CheckpointChangedError, TrainingInterruptedError
+from unbroken.execution.commit_ledger import PendingCommit, PendingCommits
 from unbroken.state.state_file import STATE_FILE
 from unbroken.store.commit import FileEntry
 from unbroken.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from unbroken.train.torch import TorchTrainer
-from unbroken.execution.commit_ledger import PendingCommit, PendingCommits
 from unbroken.worker.async_save import BackgroundSave
 from unbroken.worker.protocol import Staged
 
