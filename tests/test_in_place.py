@@ -239,3 +239,28 @@ def test_an_elastic_shrink_numbers_the_ranks_left_again_in_order_node_by_node():
     new = renumbered(old, [0, 2, 3, 4])  # rank 1 dropped
     assert [(p.rank, p.node_id, p.node_rank, p.local_rank, p.local_world_size) for p in new] == [
         (0, "a", 0, 0, 1), (1, "b", 1, 0, 1), (2, "c", 2, 0, 2), (3, "c", 2, 1, 2)]
+
+
+def test_recovery_says_with_the_failure_policy_how_a_failed_attempt_goes_on():
+    # Pure: the failure policy decides whether to go on; the plan left by the failed attempt
+    # (its ranks stayed, some lost with their node) decides how; a recovery in place counts.
+    from unbroken.execution.failure_policy import FailurePolicy
+    from unbroken.execution.in_place import InPlacePlan
+    from unbroken.execution.recovery import Next, Recovery
+
+    config = FailureConfig(max_failures=3)
+    recovery = Recovery(None, config, FailurePolicy(config), None)
+
+    class Group:  # a recovery in place keeps the group: nothing is called on it
+        pass
+
+    assert recovery.decide(RuntimeError("rank 1 died")) is Next.RESTART
+    for plan, want in ((InPlacePlan(6, source=1, kept=(1,), replaced=(0,)), Next.IN_PLACE),
+                       (InPlacePlan(8, source=0, kept=(0,), replaced=(), dropped=(1,)), Next.SHRINK)):
+        assert recovery.staying() is None
+        recovery.plan = plan
+        recovery.hand_back(Group(), RuntimeError("rank died"), [], [])
+        assert recovery.decide(RuntimeError("rank died")) is want
+        assert recovery.staying()[1] == plan, "the next attempt begins on the ranks that stayed"
+    assert recovery.decide(RuntimeError("a fourth failure")) is Next.GIVE_UP
+    assert Recovery(None, config, FailurePolicy(config), None).decide(KeyboardInterrupt()) is Next.GIVE_UP

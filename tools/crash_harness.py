@@ -266,7 +266,7 @@ def jit_loop(config: dict) -> None:
     state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11,
                        **({"loader": loader} if loader is not None else {}))
     checkpoint = train.get_checkpoint()
-    from_peer = session_mod._current.peer_state is not None  # recovering in place
+    from_peer = session_mod.active().peer_state is not None  # recovering in place
     state.restore()
     if from_peer:
         if rank == 0:

@@ -132,19 +132,21 @@ def free_hung(run: Run, group: Any, error: WorkerHangError, may_stay: bool, arme
 
 def settle(run: Run, coordinator: Coordinator, group: Any, num_workers: int, may_stay: bool,
            running: Callable[[], set[int]], events: Callable[[float], Iterator[tuple[int, Any]]],
+           commit: Callable[[int, list[Any], dict[str, Any]], Any],
            released_by: float | None = None) -> InPlacePlan | None:
     """The failure of `run`'s current attempt is final, and its ranks' TrainState is armed:
     when `may_stay` (the run, its engine and its failure policy allow a recovery in place),
     have the ranks that hold the last complete round stay (`plan`); otherwise, or when none
-    does, have one of them save it just in time (`commit_just_in_time`, in the attempt
-    record). `released_by`: see `plan`. Returns the plan of the recovery in place, if there is one."""
+    does, have one of them save it just in time (`commit_just_in_time`, which `commit`s it,
+    in the attempt record). `released_by`: see `plan`. Returns the plan of the recovery in
+    place, if there is one."""
     if may_stay:
         row = run.history.last  # the last complete round, if this attempt completed one
         target = row["training_iteration"] if row and row.get("attempt") == run.attempt.number else None
         staying = plan(coordinator, group, target, num_workers, running, events, released_by)
         if staying is not None:
             return staying
-    run.attempt.jit_checkpoint = commit_just_in_time(run, coordinator, group, running, events)
+    run.attempt.jit_checkpoint = commit_just_in_time(run, coordinator, group, running, events, commit)
     return None
 
 

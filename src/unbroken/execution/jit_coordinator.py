@@ -1,7 +1,7 @@
 """Just-in-time checkpoints, the driver's half (steps 4 and 5 of the protocol in
 `unbroken.worker.jit`, whose docstring has it whole): once a failure is final, choose the
 saver among the ranks' offers, wait within bounds for its save, and hand the controller what
-it staged to commit. The controller calls `commit_just_in_time` (`Controller._save_just_in_time`).
+it staged to commit. Recovery calls it through `in_place.settle` (`Recovery.save_just_in_time`).
 """
 
 from __future__ import annotations
@@ -136,10 +136,12 @@ def settle(coordinator: Coordinator, group: Any, target: int | None, running: Ca
 
 
 def commit_just_in_time(run: Run, coordinator: Coordinator, group: Any, running: Callable[[], set[int]],
-                        events: Callable[[float], Iterator[tuple[int, Any]]]) -> dict[str, Any]:
+                        events: Callable[[float], Iterator[tuple[int, Any]]],
+                        commit: Callable[[int, list[Any], dict[str, Any]], Any]) -> dict[str, Any]:
     """The failure of the current attempt of `run` is final: have a surviving rank save the
-    last complete round (`settle`), commit it as that round's checkpoint, and return what
-    happened for the attempt record (`Attempt.jit_checkpoint`)."""
+    last complete round (`settle`), `commit(iteration, per-rank files, row)` it as that
+    round's checkpoint (the report pipeline's `commit_late`), and return what happened for
+    the attempt record (`Attempt.jit_checkpoint`)."""
     started = time.monotonic()
     row, latest = run.history.last, run.checkpoints.latest
     target = coordinator.target(row, run.attempt.number, latest.iteration if latest else None,
@@ -148,8 +150,8 @@ def commit_just_in_time(run: Run, coordinator: Coordinator, group: Any, running:
     record: dict[str, Any] = {"iteration": None}
     if saved is not None and target is not None:
         try:
-            run.commit_checkpoint(saved.iteration, [saved.files],
-                                  {**row, "checkpoint_dir_name": checkpoint_name(saved.iteration)})
+            row = {**row, "checkpoint_dir_name": checkpoint_name(saved.iteration)}
+            commit(saved.iteration, [saved.files], row)
             record = {"iteration": saved.iteration, "rank": coordinator.saver,
                       "seconds": round(time.monotonic() - started, 3)}
             log.warning("run %s: rank %d saved iteration %d just in time; the next attempt resumes "

@@ -3,6 +3,7 @@ run's storage, the checkpoint to resume from) and the trainer whose loop it runs
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from unbroken.core import faults
@@ -13,7 +14,7 @@ from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import Marker
 from unbroken.store.storage import split_run_url
 from unbroken.worker.runner import WorkerPayload
-from unbroken.worker.session import WorkerInfo
+from unbroken.worker.worker_info import WorkerInfo
 
 
 def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool, resume: Marker | None,
@@ -27,6 +28,7 @@ def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool
         checkpoint = Checkpoint(run.storage.url(resume.name), run.storage.filesystem_arg)
     elif trainer.resume_from_checkpoint is not None:
         checkpoint = trainer.resume_from_checkpoint
+    trial = trainer.run_spec.trial
     info = WorkerInfo(
         world_rank=placement.rank, world_size=scaling.num_workers, local_rank=placement.local_rank,
         local_world_size=placement.local_world_size, node_rank=placement.node_rank,
@@ -37,6 +39,6 @@ def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool
         node_address=placement.node_address, probe=probe, env=faults.carried_env(), validates=validates,
         peer_source=peer[0] if peer is not None else None,
         collective_timeout_s=trainer.run_config.failure_config.collective_timeout_s,
-        **getattr(trainer, "_trial_info", {}))  # trial_name, trial_id, trial_dir in a sweep
+        **(dataclasses.asdict(trial) if trial is not None else {}))  # trial_name, trial_id, trial_dir
     info.env.update(trainer.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
     return WorkerPayload(info=info, trainer=trainer)

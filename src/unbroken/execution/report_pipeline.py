@@ -31,7 +31,7 @@ from unbroken.execution.commit_ledger import PendingCommit, PendingCommits
 from unbroken.execution.engine.base import WorkerGroup, send_each
 from unbroken.execution.report_rounds import ReportRounds
 from unbroken.run.handle import Run
-from unbroken.store.commit import round_name
+from unbroken.store.commit import Marker, round_name
 from unbroken.worker.protocol import Committed, Reply, Report, Staged
 
 log = logging.getLogger("unbroken")
@@ -132,6 +132,11 @@ class ReportPipeline:
                                             save.validation)
         self.saves.committed(save, marker)
         send_each(group, rounds.running, Committed(save.iteration, marker.name))
+
+    def commit_late(self, iteration: int, per_rank_files: list[Any], row: dict[str, Any]) -> Marker:
+        """Commit the checkpoint a rank saved just in time for round `iteration`, recorded
+        earlier as `row` (see `jit_coordinator`); the round's name is the default one."""
+        return self.run.commit_checkpoint(iteration, per_rank_files, row)
 
     def can_complete(self, gone: set[int]) -> bool:
         """True while a checkpoint can still commit: no rank it waits for is `gone`."""

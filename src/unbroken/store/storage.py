@@ -5,36 +5,30 @@ stores need no separate code path. On local filesystems writes are fsynced and
 replacements are atomic renames; on object stores a single put is atomic by itself, and
 every call is retried through transient faults (unbroken.store.storage_errors).
 
-What a filesystem is decides by what it does, not by its class alone: a `DirFileSystem`
-(a prefix over another filesystem) is replaced by the filesystem below it and the full
-path, so that one over this machine's disk is local storage; a filesystem that is neither
-local nor an object store (sftp, HDFS, a custom one) goes through the object-store code,
-with the directories each file goes into created first.
+What a filesystem is (local, an object store, one with directories of its own) is decided by
+unbroken.store.filesystems; the writes on this machine's disk are unbroken.store.local_disk's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
 import logging
 import os
 import posixpath
-import re
 import shutil
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from unbroken.core import faults
 from unbroken.core.units import format_bytes
 from unbroken.errors import StorageError, StorageFullError
+from unbroken.store import filesystems, local_disk
 from unbroken.store.storage_errors import (
     PreconditionFailed,
     call_with_retries,
@@ -46,33 +40,9 @@ from unbroken.store.storage_errors import (
 log = logging.getLogger("unbroken")
 T = TypeVar("T")
 
-_ATOMIC_TEMP = re.compile(r"\.tmp-(\d+)$")
 _CHUNK = 8 << 20
 
-# fsspec protocol -> the package that provides it, for the "not installed" hint.
-_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
-             "abfs": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko"}
-
 CREATE = "<create>"  # write_conditional(expect=CREATE): only if the object does not exist yet
-
-# Object stores: no directories (a key's "parents" need not exist) and no rename. Any other
-# filesystem that is not this machine's is taken to have real directories, which are created
-# before a file is written into them.
-OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "gcsfs", "abfs", "abfss", "az", "adl", "oci",
-                           "oss", "r2", "tos", "cos", "obs", "memory"})
-
-
-def _local_sum(path: str) -> tuple[int, int]:
-    # Into one reused buffer small enough to stay in the CPU cache: about 1.5x faster than
-    # reading fresh 8 MiB chunks.
-    crc, size = 0, 0
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return size, crc
 
 
 def split_run_url(url: str) -> tuple[str, str]:
@@ -82,32 +52,19 @@ def split_run_url(url: str) -> tuple[str, str]:
     return url[: -len(name) - 1], name
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Storage:
     """A directory on some filesystem. Relative paths use '/' on every filesystem."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
         # A DirFileSystem is a prefix over another filesystem: work on that one, with the full
         # path, and give URLs back relative to the prefix (`url`, `filesystem_arg`).
-        self._layers: list[DirFileSystem] = []
-        while isinstance(fs, DirFileSystem):
-            self._layers.append(fs)
-            root, fs = fs._join(root), fs.fs
+        self._layers, fs, root = filesystems.below_prefixes(fs, root)
         self.is_local = isinstance(fs, LocalFileSystem)
         if self.is_local:
             root = os.path.abspath(os.path.expanduser(root))
         self.fs = fs
         self.root = root.rstrip("/") or "/"
-        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-        # Directories must be created before files go into them (not locally: os calls do it).
-        self._has_dirs = not self.is_local and not protocols & OBJECT_STORES
+        self._has_dirs = filesystems.has_dirs(fs)  # directories created before files go into them
 
     def __reduce__(self) -> tuple:
         # Over a DirFileSystem, travel as that filesystem and the path below its prefix, so that
@@ -120,16 +77,7 @@ class Storage:
         url = os.fspath(url)
         if filesystem is not None:
             return cls(filesystem, filesystem._strip_protocol(url))
-        protocol = url.split("://", 1)[0] if "://" in url else "file"
-        try:
-            fs, path = fsspec.core.url_to_fs(url)
-        except (ImportError, ValueError) as e:
-            package = _PACKAGES.get(protocol, f"the fsspec implementation for '{protocol}://'")
-            raise StorageError(
-                f"cannot open storage {url!r}: the filesystem for '{protocol}://' is not installed "
-                f"({e}). Hint: pip install {package}"
-            ) from None
-        return cls(fs, path)
+        return cls(*filesystems.open_url(url))
 
     # -- addressing -----------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -219,10 +167,7 @@ class Storage:
     def listdir(self, rel: str = "") -> list[str]:
         """Names directly under `rel`, or [] if it does not exist."""
         if self.is_local:
-            try:
-                return sorted(os.listdir(self.path(rel)))
-            except (FileNotFoundError, NotADirectoryError):
-                return []
+            return local_disk.listdir(self.path(rel))
         try:
             entries = self._call(f"listing {rel or '.'}",
                                  lambda: self.fs.ls(self._fresh(rel), detail=False, refresh=True))
@@ -300,46 +245,23 @@ class Storage:
         self._local_write(rel, data, exclusive=False)
 
     def _local_write(self, rel: str, data: bytes, exclusive: bool) -> None:
-        """Write `data` to a fsynced temp file and move it to `rel`: replacing what is there,
-        or, `exclusive`, only if nothing is (a hard link fails on an existing name, atomically,
-        on local filesystems and NFS alike; PreconditionFailed then)."""
+        """Write `data` to `rel` through a fsynced temp file (`local_disk.write_then_move`):
+        replacing what is there, or, `exclusive`, only if nothing is (PreconditionFailed then)."""
         path = self.path(rel)
-        tmp = f"{path}.tmp-{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            faults.point("before_replace")
-            if exclusive:
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise PreconditionFailed(f"{rel} exists already") from None
-                finally:
-                    os.remove(tmp)
-            else:
-                os.replace(tmp, path)
+            written = local_disk.write_then_move(path, data, exclusive)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)  # a half-written temp must not hold the space it failed to get
             if is_full(e):
                 raise self.full_error(f"writing {rel}", len(data)) from None
             raise StorageError(f"cannot write {path!r}: {e}. "
                                "Hint: choose a storage_path you can write to") from None
-        _fsync_dir(os.path.dirname(path))
+        if not written:
+            raise PreconditionFailed(f"{rel} exists already")
+        local_disk.fsync_dir(os.path.dirname(path))
 
     def free_bytes(self) -> int | None:
         """Free space where this storage lives (None where a filesystem cannot tell)."""
-        if not self.is_local:
-            return None
-        path = self.root
-        while not os.path.exists(path) and os.path.dirname(path) != path:
-            path = os.path.dirname(path)
-        try:
-            return shutil.disk_usage(path).free
-        except OSError:
-            return None
+        return local_disk.free_bytes(self.root) if self.is_local else None
 
     def full_error(self, what: str, needed: int | None) -> StorageFullError:
         """The error for running out of space while `what` (which needed `needed` bytes)."""
@@ -385,27 +307,7 @@ class Storage:
         """Copy a local file to `rel`, durably; returns its (size, crc32)."""
         if not self.is_local:
             return self.put_files([(local_src, rel)])[0]
-        path = self.path(rel)
-        if os.path.exists(path) and os.path.samefile(local_src, path):
-            # Already written in place (a link to it was handed in: TrainState's sharded files):
-            # copying a file onto itself would empty it. Flush it to disk while summing it.
-            with open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
-                synced = pool.submit(os.fsync, f.fileno())
-                sums = _local_sum(path)
-                synced.result()
-            return sums
-        crc, size = 0, 0
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(local_src, "rb") as src, open(path, "wb") as dst:
-            buf = bytearray(_CHUNK)
-            view = memoryview(buf)
-            while n := src.readinto(buf):
-                crc = zlib.crc32(view[:n], crc)
-                dst.write(view[:n])
-                size += n
-            dst.flush()
-            os.fsync(dst.fileno())
-        return size, crc
+        return local_disk.copy_file(local_src, self.path(rel))
 
     def put_files(self, pairs: list[tuple[str, str]],
                   after_each: Callable[[], None] | None = None) -> list[tuple[int, int]]:
@@ -420,7 +322,7 @@ class Storage:
                 if after_each is not None:
                     after_each()
             return sums
-        sums = [_local_sum(src) for src, _ in pairs]
+        sums = [local_disk.file_sums(src) for src, _ in pairs]
         if pairs:
             sources, targets = [src for src, _ in pairs], [self.path(rel) for _, rel in pairs]
             self._parents(targets)
@@ -444,7 +346,7 @@ class Storage:
         rely on it for a commit (a checkpoint is staged in place)."""
         if self.is_local:
             os.rename(self.path(src_rel), self.path(dst_rel))
-            _fsync_dir(os.path.dirname(self.path(dst_rel)))
+            local_disk.fsync_dir(os.path.dirname(self.path(dst_rel)))
         else:
             self._call(f"renaming {src_rel}", lambda: self._copy_then_remove(src_rel, dst_rel))
 
@@ -464,7 +366,7 @@ class Storage:
 
     def fsync_dir(self, rel: str = "") -> None:
         if self.is_local:
-            _fsync_dir(self.path(rel))
+            local_disk.fsync_dir(self.path(rel))
 
     def remove(self, rel: str) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""
@@ -484,13 +386,8 @@ class Storage:
     def remove_stale_temps(self, rel: str = "") -> None:
         """Remove the temp files of atomic writes that another process left behind in `rel`
         (it was killed between writing and renaming). Only safe while holding the run's lease."""
-        if not self.is_local or not os.path.isdir(self.path(rel)):
-            return  # object stores replace files in one put: no temp files
-        for name in self.listdir(rel):
-            m = _ATOMIC_TEMP.search(name)
-            full = os.path.join(self.path(rel), name)
-            if m and int(m.group(1)) != os.getpid() and os.path.isfile(full):
-                os.remove(full)
+        if self.is_local:  # object stores replace files in one put: no temp files
+            local_disk.remove_stale_temps(self.path(rel))
 
     def walk_files(self, rel: str = "") -> list[str]:
         """Every file below `rel`, as paths relative to it."""

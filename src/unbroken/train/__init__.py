@@ -151,4 +151,5 @@ def get_dataset_shard(name: str) -> Any:
     if not is_dataset_builder(given):  # (a name not given: the session's KeyError says so)
         return _dataset_shard.mark(session.get_dataset_shard(name), given)
     whole = given()  # built once here, so the shard's whole dataset is the one it was cut from
-    return _dataset_shard.mark(_session.shard(whole, session.info.world_rank, session.info.world_size), whole)
+    info = session.info
+    return _dataset_shard.mark(_dataset_shard.shard(whole, info.world_rank, info.world_size), whole)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from unbroken.core.config import generated_name
@@ -47,37 +48,37 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
     """Apply the restore rules for a fit() call. Returns (Run to drive, None) or (None, Result)
     for a finished run. Raises before writing anything when the run must not start."""
     cls = type(trainer)
-    config = trainer.run_config
-    restored = trainer._restored_from is not None
+    config, spec = trainer.run_config, trainer.run_spec
+    restored = spec.restored_from is not None
     if restored:
-        storage = Storage.from_url(trainer._restored_from, config.storage_filesystem)
+        storage = Storage.from_url(spec.restored_from, config.storage_filesystem)
     else:
         root = Storage.from_url(config.resolved_storage_path(), config.storage_filesystem)
         storage = root.child(config.name)
-        while getattr(trainer, "_name_generated", False) and not opening.is_fresh_dir(RUN, storage):
+        while spec.name_generated and not opening.is_fresh_dir(RUN, storage):
             config = trainer.run_config = dataclasses.replace(config, name=generated_name(cls.__name__))
             storage = root.child(config.name)
     path = storage.url()
     check_can_run(trainer.scaling_config)  # fails now for an engine or GPUs this machine lacks
     saved = encode_trainer(cls, trainer._init_args)  # fails now if an argument cannot be saved
+    _keep_loaded_fingerprints(saved, spec.loaded_fingerprints)
 
+    # The run's state now, even after restore() read it: another driver may have changed it since.
     manifest = opening.existing(
         RUN, storage, exists=restored or manifest_exists(storage), restored=restored, resume=config.resume,
         check_identity=lambda m: check_identity(m, cls, trainer._init_args, path, config.allow_config_change))
-    if restored and manifest is not None:
-        _keep_stored_fingerprints(manifest, saved, trainer._restore_overrides)
-    if _finished(manifest, trainer, saved):
+    if _finished(manifest, spec.overrides, saved):
         log.info("run %s already finished; returning its stored result", path)
         return None, Result.from_path(path, config.storage_filesystem)
 
     with opening.leased(RUN, storage, manifest, _new_manifest) as (lease, manifest, previous):
-        if previous is not None and _finished(manifest, trainer, saved):
+        if previous is not None and _finished(manifest, spec.overrides, saved):
             # It finished between the first read and the lease: another driver drove it.
             lease.release()
             log.info("run %s finished meanwhile; returning its stored result", path)
             return None, Result.from_path(path, config.storage_filesystem)
         # A sweep's trial changes its config by design (population-based training): said quietly.
-        quiet = getattr(trainer, "_trial_info", None) is not None
+        quiet = spec.trial is not None
         change = _amendments(manifest, saved, path, quiet) if previous is not None else {}
         write_trainer(storage, manifest, saved)
         run = Run(storage, manifest, previous, lease, config.checkpoint_config)
@@ -85,21 +86,20 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
         return run, None
 
 
-def _finished(manifest: RunManifest | None, trainer: Any, saved: SavedTrainer) -> bool:
-    """The run finished, and this fit() neither re-specifies an argument nor changes its
-    identity: it returns the stored result instead of training."""
-    if manifest is None or manifest.status != FINISHED or trainer._restore_overrides:
+def _finished(manifest: RunManifest | None, overrides: frozenset[str], saved: SavedTrainer) -> bool:
+    """The run finished, and this fit() neither re-specifies an argument (`overrides`) nor
+    changes its identity: it returns the stored result instead of training."""
+    if manifest is None or manifest.status != FINISHED or overrides:
         return False
     return not identity_changes(manifest.identity, saved.fields["identity"])
 
 
-def _keep_stored_fingerprints(manifest: RunManifest, saved: SavedTrainer, overrides: frozenset[str]) -> None:
+def _keep_loaded_fingerprints(saved: SavedTrainer, loaded: Mapping[str, str]) -> None:
     """A function restore() loaded from the run is the saved code itself: it keeps its stored
-    fingerprint (its source cannot be read once unpickled, so a new one would differ), and
-    only a re-specified function is compared with what was saved."""
-    for name in saved.fields["code_fingerprints"].keys() - overrides:
-        if name in manifest.code_fingerprints:
-            saved.fields["code_fingerprints"][name] = manifest.code_fingerprints[name]
+    fingerprint (`loaded`; its source cannot be read once unpickled, so a new one would
+    differ), and only a re-specified function is compared with what was saved."""
+    fingerprints = saved.fields["code_fingerprints"]
+    fingerprints.update({name: fp for name, fp in loaded.items() if name in fingerprints})
 
 
 def _amendments(manifest: RunManifest, saved: SavedTrainer, path: str,

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from unbroken.core.codec import bind_init_args, qualified_name
 from unbroken.core.config import RunConfig, ScalingConfig, generated_name
+from unbroken.core.run_spec import RunSpec
 from unbroken.core.validation_config import ValidationConfig
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.execution.controller import Controller
@@ -40,8 +41,7 @@ class BaseTrainer:
     worker process, and may take any constructor arguments: they are saved with the run,
     and `restore(path, **overrides)` accepts exactly those names."""
 
-    _restored_from: str | None = None
-    _restore_overrides: frozenset[str] = frozenset()
+    _run_spec: RunSpec = RunSpec()  # where a subclass's own __init__ leaves it unset
 
     def __new__(cls, *args: Any, **kwargs: Any) -> BaseTrainer:
         self = super().__new__(cls)
@@ -56,8 +56,8 @@ class BaseTrainer:
                  resume_from_checkpoint: Checkpoint | None = None) -> None:
         self.scaling_config = _check_type("scaling_config", scaling_config, ScalingConfig) or ScalingConfig()
         run_config = _check_type("run_config", run_config, RunConfig) or RunConfig()
-        self._name_generated = not run_config.name
-        if self._name_generated:
+        self.run_spec = RunSpec(name_generated=not run_config.name)
+        if self.run_spec.name_generated:
             run_config = dataclasses.replace(run_config, name=generated_name(type(self).__name__))
         self.run_config = run_config
         self.datasets = dict(datasets or {})
@@ -67,6 +67,19 @@ class BaseTrainer:
     def training_loop(self) -> None:
         """The work each worker does; call train.report inside it."""
         raise NotImplementedError(f"{type(self).__name__} must implement training_loop()")
+
+    @property
+    def run_spec(self) -> RunSpec:
+        """What fit() is asked to do beyond the constructor's arguments (`core.run_spec`): the
+        constructor, restore() and a sweep set it; opening the run, the controller and each
+        rank's payload read it. Nothing else carries that intent."""
+        return self._run_spec
+
+    @run_spec.setter
+    def run_spec(self, spec: RunSpec) -> None:
+        if not isinstance(spec, RunSpec):
+            raise TypeError(f"run_spec must be a RunSpec, got {type(spec).__name__}")
+        self._run_spec = spec
 
     def _backend(self) -> Backend:
         return Backend()
@@ -97,7 +110,8 @@ class BaseTrainer:
                    validation_runner=validation_runner(self.scaling_config),
                    capacity=capacity_probe(self.scaling_config) if self.scaling_config.elasticity_enabled
                    else None).execute()
-        self._restore_overrides = frozenset()  # applied; a second fit() returns the stored result
+        # The overrides are applied now: a second fit() returns the stored result.
+        self.run_spec = self.run_spec.replace(overrides=frozenset())
         return Result.from_path(run.path, self.run_config.storage_filesystem)
 
     @classmethod
@@ -130,8 +144,8 @@ class BaseTrainer:
         args["run_config"] = dataclasses.replace(saved_config, name=name, storage_path=storage_path)
         trainer = target(**args)
         trainer._init_args.update({"run_config": saved_config})
-        trainer._restored_from = url
-        trainer._restore_overrides = frozenset(overrides)
+        trainer.run_spec = RunSpec(restored_from=url, overrides=frozenset(overrides), loaded_fingerprints={
+            name: fp for name, fp in manifest.code_fingerprints.items() if name not in overrides})
         return trainer
 
     @classmethod

@@ -26,7 +26,7 @@ from typing import Any
 from unbroken import train
 from unbroken.train import Checkpoint
 from unbroken.tune.result import SHOULD_CHECKPOINT
-from unbroken.worker.session import StopTraining
+from unbroken.worker.replies import StopTraining
 from unbroken.worker.session import current as current_session
 
 STATE_FILE = ".trainable.json"

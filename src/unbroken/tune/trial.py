@@ -28,6 +28,7 @@ from typing import Any
 from unbroken.core.codec import init_param_names
 from unbroken.core.config import FailureConfig, RunConfig, ScalingConfig
 from unbroken.core.processes import Carried, die_with_parent
+from unbroken.core.run_spec import TrialInfo
 from unbroken.errors import StorageNotSharedError, TrainingInterruptedError, UnbrokenError
 from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
@@ -278,8 +279,8 @@ def run_trial(payload: TrialPayload) -> str:
         # makes sure of it, whatever the trial's run.json says), and a param_space constant
         # re-specified on Tuner.restore amends the run (logged) instead of being refused.
         trainer = type(trainer).restore(payload.path, allow_pickle=False, **trainer._init_args)
-    trainer._trial_info = payload.info
-    trainer._elastic_start_limit = getattr(payload.trainer, "_elastic_start_limit", None)
+    trainer.run_spec = trainer.run_spec.replace(
+        trial=TrialInfo(**payload.info), elastic_start_limit=payload.trainer.run_spec.elastic_start_limit)
     return trainer.fit().status or mf.FINISHED
 
 

@@ -50,7 +50,8 @@ from unbroken.tune.saved_sweep import (
 from unbroken.tune.schedulers import FIFOScheduler
 from unbroken.tune.search.basic_variant import BasicVariantGenerator
 from unbroken.tune.search.searcher import Searcher
-from unbroken.tune.sweep_driver import ResumeFlags, SweepDriver
+from unbroken.tune.sweep_driver import SweepDriver
+from unbroken.tune.sweep_preparation import ResumeFlags
 from unbroken.tune.trial import (
     check_param_space_keys,
     check_trainable,

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.errors import CheckpointChangedError
-from unbroken.store.commit import write_rank_files
+from unbroken.store.commit import check_name_free, write_rank_files
 from unbroken.store.storage import Storage
 from unbroken.worker.protocol import Staged
 
@@ -76,6 +76,53 @@ class BackgroundSave:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+class AsyncSaves:
+    """This rank's asynchronous saves: the one in flight (`BackgroundSave`), the latest
+    started and the latest the driver said it committed, and the checkpoint names they were
+    given (a later report must not reuse one before the driver committed it)."""
+
+    def __init__(self) -> None:
+        self._saver = BackgroundSave()
+        self._started = 0  # the iteration of the latest save started
+        self._committed = 0  # the latest one the driver said it committed
+        self._names: set[str] = set()
+
+    def check(self) -> None:
+        """Raise the error of a save that failed (`BackgroundSave.check`)."""
+        self._saver.check()
+
+    def wait(self) -> None:
+        """Block until the save in flight ended (`BackgroundSave.wait`)."""
+        self._saver.wait()
+
+    def check_free(self, storage: Storage, name: str) -> None:
+        """CheckpointNameError when the checkpoint name `name` is taken in `storage`, or by a
+        save of this rank that the driver may not have committed yet."""
+        check_name_free(storage, name, self._names)
+
+    def claim(self, storage: Storage, name: str) -> None:
+        """Give the coming save the checkpoint name `name`, which must be free."""
+        self.check_free(storage, name)
+        self._names.add(name)
+
+    def start(self, job: Callable[[], None], iteration: int) -> None:
+        """Start `job`, the save of report `iteration` (`stage_job`), in the background."""
+        self._saver.start(job)
+        self._started = iteration
+
+    def committed(self, iteration: int) -> bool:
+        """The driver said it committed the save of report `iteration`: whether that is news."""
+        if iteration <= self._committed:
+            return False
+        self._committed = iteration
+        return True
+
+    @property
+    def uncommitted(self) -> bool:
+        """True while the driver has not said it committed the latest save started."""
+        return self._committed < self._started
 
 
 def stage_job(storage: Storage, staging: str, iteration: int, rank: int,

@@ -1,5 +1,5 @@
-"""A rank's part of a dataset, as `train.get_dataset_shard` returns it, marked with the dataset
-it was cut from.
+"""A rank's part of a dataset, as `train.get_dataset_shard` returns it (`shard`), marked with
+the dataset it was cut from.
 
 Whatever shares out its dataset among the ranks itself (`prepare_data_loader`, Lightning's
 distributed sampler under `RayDDPStrategy`, the Transformers Trainer through accelerate) would
@@ -16,6 +16,8 @@ a DataLoader worker started by spawn gets only the rows.
 from __future__ import annotations
 
 from typing import Any
+
+from unbroken.core.codec import is_dataset_builder
 
 _MARK = "_unbroken_whole_dataset"
 
@@ -54,3 +56,19 @@ def whole_of(dataset: Any) -> Any | None:
         return vars(dataset).get(_MARK)
     except TypeError:  # no instance attributes
         return None
+
+
+def shard(dataset: Any, rank: int, world_size: int) -> Any:
+    """This rank's part of a dataset: every world_size-th item starting at rank."""
+    if is_dataset_builder(dataset):
+        dataset = dataset()
+    indices = range(rank, len(dataset), world_size)
+    if isinstance(dataset, (list, tuple)):
+        return type(dataset)(dataset[i] for i in indices)
+    try:
+        from torch.utils.data import Dataset, Subset
+    except ImportError:  # pragma: no cover - torch is optional for DataParallelTrainer
+        return [dataset[i] for i in indices]
+    if isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__"):
+        return Subset(dataset, list(indices))
+    return [dataset[i] for i in indices]

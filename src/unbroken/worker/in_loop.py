@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 def for_each_batch(state: TrainState, loader: Iterable[Any], step: Callable[[Any], Any]) -> None:
     """See `TrainState.for_each_batch`."""
-    session = session_mod._current
+    session = session_mod.active()
     if session is None or not _tracks(state, loader, session):
         for batch in loader:
             step(batch)
@@ -79,9 +79,8 @@ def for_each_batch(state: TrainState, loader: Iterable[Any], step: Callable[[Any
 def meet(session: Session) -> None:
     """Step 4, once per attempt that recovers in place: wait, through the driver, until every
     rank has reached its loop."""
-    if session.info.peer_source is None or session.loop_met:
+    if session.info.peer_source is None or not session.reached_loop():
         return
-    session.loop_met = True
     met = session.gather("TrainState.for_each_batch()")
     if met.mismatch or met.error:
         raise RuntimeError(f"the ranks did not meet at TrainState.for_each_batch(): "

@@ -157,6 +157,11 @@ class Tracker:
                 obj.register_step_pre_hook(self._step_began)
                 self.live.add(name)
 
+    def follow_rank(self, rank: int) -> None:
+        """The loop this tracker follows goes on as rank `rank` of the next attempt (a
+        recovery in place): the step streams after its reports are that rank's."""
+        self.rank = rank
+
     def _step_began(self, *_: Any) -> None:
         self.clean = False
 
@@ -203,11 +208,11 @@ class Tracker:
 def arm(state: TrainState, step_seed: int) -> None:
     """Inside a run: track `state` for just-in-time checkpoints in this rank (the session calls
     it after every report) and tell the driver. The latest TrainState armed is the one saved."""
-    session = session_mod._current
+    session = session_mod.active()
     if session is None:
         return
     first = session.jit is None
-    session.jit = Tracker(state, step_seed, session.info.world_rank)
+    session.track(Tracker(state, step_seed, session.info.world_rank))
     if first:
         session.send(JitArmed())
 

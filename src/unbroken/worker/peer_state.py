@@ -54,7 +54,7 @@ def release_group(session: Session, backend: Backend, keep_wrappers: bool = Fals
             for name in ("reducer", "logger", "process_group"):
                 wrapper.__dict__.pop(name, None)
     else:
-        session.wrappers.clear()
+        session.release_wrappers()
         if session.jit is not None and "model" in session.jit.state._objects:
             objects = session.jit.state._objects
             objects["model"] = unwrap(objects["model"])
@@ -87,7 +87,7 @@ def share(session: Session, kept: dict[str, Any] | None) -> None:
     if info.world_size == 1 or info.world_rank == source:
         assert kept is not None, "the source rank keeps the state it sends"
     if info.world_size == 1:
-        session.peer_state = kept
+        session.hold_peer_state(kept)
         return
     device = _device()
     tensors: list[torch.Tensor] = []
@@ -100,7 +100,7 @@ def share(session: Session, kept: dict[str, Any] | None) -> None:
         tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
     for tensor in tensors:  # received where the group's collectives take them; load_state_dict moves them
         dist.broadcast(tensor.to(device).contiguous() if info.world_rank == source else tensor, source)
-    session.peer_state = kept if info.world_rank == source else _join(skeleton, tensors)
+    session.hold_peer_state(kept if info.world_rank == source else _join(skeleton, tensors))
 
 
 @dataclass(frozen=True)

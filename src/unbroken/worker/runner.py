@@ -27,7 +27,9 @@ from unbroken.worker import peer_state
 from unbroken.worker import session as session_mod
 from unbroken.worker.channel import Channel
 from unbroken.worker.protocol import Done, Failed, Outcome, Rejoin, Rendezvous, Stay
-from unbroken.worker.session import Session, StopTraining, WorkerInfo
+from unbroken.worker.replies import StopTraining
+from unbroken.worker.session import Session
+from unbroken.worker.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from unbroken.worker.backend import Backend
@@ -141,7 +143,7 @@ def run_worker(payload: WorkerPayload, channel: Channel,
         except (OSError, EOFError):
             pass  # the driver is gone
     finally:
-        session = session_mod._current
+        session = session_mod.active()
         try:
             if session is not None:
                 backend.on_shutdown(session)
@@ -161,7 +163,8 @@ def rejoin_in_loop(failure: BaseException) -> None:
     the loop's loader shares out the epoch among the old number of ranks)."""
     session = session_mod.current("rejoin_in_loop")
     session.drain()
-    outcome = session.outcome_sent = failed(failure)
+    outcome = failed(failure)
+    session.loop_failed(outcome)
     try:
         stay = _tell(session, outcome, keep_wrappers=True)
         if stay is None:
@@ -191,15 +194,9 @@ def _open(info: WorkerInfo, channel: Channel, backend: Backend, datasets: dict[s
     """Set this process up for an attempt and install its session, carrying over what a loop
     that stayed has built (its TrainState's tracker, its model's forward clock)."""
     _set_up(info)
-    session = Session(info, channel, datasets)
-    session.backend = backend
+    session = Session(info, channel, datasets, backend)
     if carried is not None:
-        session.jit, session.forward_clock = carried.jit, carried.forward_clock
-        session.wrappers = carried.wrappers
-        session.context = carried.context
-        session.context.follow(session)
-        if session.jit is not None:
-            session.jit.rank = info.world_rank
+        session.carry_over(carried)
     session_mod.install(session)
 
 

@@ -17,117 +17,131 @@ import pickle
 import shutil
 import sys
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from unbroken.core import faults
-from unbroken.core.codec import is_dataset_builder
-from unbroken.errors import TornCheckpointError
-from unbroken.store import return_value, validation_record
+from unbroken.store import return_value
 from unbroken.store.checkpoint import Checkpoint
-from unbroken.store.commit import (
-    check_name_free,
-    read_marker,
-    scan,
-    staging_name,
-    write_rank_files,
-)
+from unbroken.store.commit import staging_name, write_rank_files
 from unbroken.store.history import recordable
-from unbroken.store.storage import Storage
-from unbroken.worker.async_save import BackgroundSave, stage_job
+from unbroken.worker.async_save import AsyncSaves, stage_job
+from unbroken.worker.committed_checkpoints import CommittedCheckpoints
+from unbroken.worker.dataset_shard import shard
 from unbroken.worker.protocol import Committed, Failed, Gather, Gathered, Reply, Report, Staged, Validated
-from unbroken.worker.report_config import ReportedCheckpoint, ReportedCheckpointStatus
+from unbroken.worker.replies import Replies, StopTraining
+from unbroken.worker.report_config import ReportedCheckpoint
+from unbroken.worker.report_notes import ReportNotes
+from unbroken.worker.reported_directory import check_local, move_aside
 from unbroken.worker.train_context import TrainContext
+from unbroken.worker.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from unbroken.worker.backend import Backend
     from unbroken.worker.channel import Channel
+    from unbroken.worker.forward_clock import ForwardClock
     from unbroken.worker.jit import Tracker
 
 
 log = logging.getLogger("unbroken")
 
-NO_REPLY = Reply()
-
 
 ATTEMPT_ENDED_EXIT = 75  # the exit status of a rank that finds its attempt over (check_attempt)
 
 
-class StopTraining(BaseException):
-    """Raised inside a worker's loop at a report when the driver stops the run.
+class Session:
+    """One worker's connection to the driver.
 
-    A BaseException so that a user's `except Exception` does not swallow it. `attach`: the
-    report was made `at_end` and the driver asks for its checkpoint after all
-    (`Session.attach`).
+    Its fields change only through its own methods; what the rank's other parts built and
+    the session follows (the just-in-time tracker, the DDP wrappers, the state a peer sent)
+    is handed to it through the methods that say what the change means, and read from it.
     """
 
-    def __init__(self, attach: bool = False) -> None:
-        super().__init__()
-        self.attach = attach
-
-
-@dataclass
-class WorkerInfo:
-    """Everything a worker needs to know about its place in the run."""
-
-    world_rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    experiment_name: str
-    run_path: str
-    storage: Storage
-    attempt: int
-    start_iteration: int
-    checkpoint: Checkpoint | None
-    storage_path: str
-    cpus: int = 1
-    use_gpu: bool = False
-    trial_name: str | None = None
-    trial_id: str | None = None
-    trial_dir: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    node_id: str = ""                 # the engine's name for this rank's machine
-    node_address: str = "127.0.0.1"   # where the other ranks reach this rank's machine
-    probe: str | None = None          # the token the driver wrote for `engine.worker` to check
-    validates: bool = False           # the trainer has a ValidationConfig: validations get done
-    peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
-    collective_timeout_s: float | None = None  # FailureConfig.collective_timeout_s
-
-
-class Session:
-    """One worker's connection to the driver."""
-
-    def __init__(self, info: WorkerInfo, channel: Channel, datasets: dict[str, Any] | None) -> None:
+    def __init__(self, info: WorkerInfo, channel: Channel, datasets: dict[str, Any] | None,
+                 backend: Backend) -> None:
         self.info = info
         self.channel = channel
         self.datasets = datasets or {}
+        self.backend = backend  # what sets up this attempt's process group
         self.iteration = info.start_iteration
         self.reports = 0
-        self._save_t0: float | None = None  # when the save of the coming report began
-        self.auto_checkpoint = False  # TrainState.report(..., checkpoint="auto") sets it
-        self.forward_clock: Any = None  # prepare_model's ForwardClock on the model it wrapped
-        self.wrappers: list[Any] = []  # the DDP wrappers prepare_model made in this process
-        self._awaiting_reply = False
-        self._reply = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
-        self._verdict_at: int | None = None  # from the latest reply taken (Reply.verdict_at)
         self.context = TrainContext(self)
         self.jit: Tracker | None = None  # a TrainState that can save just in time (`jit_checkpoint`)
+        self.wrappers: list[Any] = []  # the DDP wrappers prepare_model made in this process
         self.peer_state: dict[str, Any] | None = None  # recovering in place: the state a peer sent
-        self.backend: Backend | None = None  # what set up this attempt's process group
         self.outcome_sent: Failed | None = None  # a loop that stayed told the driver it failed
-        self.loop_met = False  # `in_loop.meet` was made in this attempt
-        self.saver = BackgroundSave()  # this rank's asynchronous save in flight
+        self._loop_met = False  # `in_loop.meet` was made in this attempt
+        self._notes = ReportNotes()
+        self._replies = Replies()
+        self._saves = AsyncSaves()
         self._send_lock = threading.Lock()  # the saver's thread sends too
-        self._saved_async = 0  # the iteration of this rank's latest asynchronous save
-        self._committed_async = 0  # the latest one the driver said it committed
-        self._async_names: set[str] = set()  # the names this rank gave its asynchronous saves
         self._latest = info.checkpoint  # the run's latest committed checkpoint, as far as this rank knows
         self._collective_calls = 0  # the `gather`s made so far in this attempt
         self._validated: set[str] = set()  # checkpoints whose validation the driver said ended
+
+    # -- what the rank's other parts hand over ------------------------------------------------
+
+    def carry_over(self, previous: Session) -> None:
+        """This attempt goes on in the training loop that `previous`, the last attempt's
+        session in this process, served (`runner.rejoin_in_loop`): take over what that loop
+        built (its armed TrainState's tracker, its DDP wrappers, its model's forward clock)
+        and its context, which describes this attempt from now on."""
+        self.jit, self.wrappers = previous.jit, previous.wrappers
+        self._notes.time_forward(previous._notes.forward_clock)
+        self.context = previous.context
+        self.context.follow(self)
+        if self.jit is not None:
+            self.jit.follow_rank(self.info.world_rank)
+
+    def track(self, tracker: Tracker) -> None:
+        """A TrainState was armed for just-in-time checkpoints (`jit.arm`): `tracker`, the
+        latest armed, is the one that follows every report and is saved after a failure."""
+        self.jit = tracker
+
+    def wrapped(self, wrapper: Any, clock: ForwardClock) -> None:
+        """`prepare_model` wrapped a model in DDP: `wrapper` is one to initialise again when a
+        loop stays (`in_loop`), and `clock`, on its module, gives the reports' forward
+        seconds from now on (the clock of a model wrapped before stops)."""
+        self.wrappers.append(wrapper)
+        self._notes.time_forward(clock)
+
+    def release_wrappers(self) -> None:
+        """The process group ends and no loop goes on with it (`peer_state.release_group`):
+        drop the DDP wrappers, so that nothing here holds on to the group."""
+        self.wrappers.clear()
+
+    def auto_checkpoints(self, auto: bool) -> None:
+        """Whether this rank's reports from now on leave their checkpoints to the driver
+        (`TrainState.report(checkpoint="auto")`): each report says so (`Report.auto`)."""
+        self._notes.auto = auto
+
+    def hold_peer_state(self, state: dict[str, Any] | None) -> None:
+        """Recovering in place (`peer_state.share`): `state`, what the source rank kept, is the
+        state `TrainState.restore` loads instead of a checkpoint."""
+        self.peer_state = state
+
+    def peer_state_loaded(self) -> None:
+        """`TrainState.restore` loaded the state a peer sent: a later restore reads the run's
+        latest checkpoint again."""
+        self.peer_state = None
+
+    def reached_loop(self) -> bool:
+        """The training loop reached `TrainState.for_each_batch` (`in_loop.meet`): True the
+        first time in this attempt, when the ranks are to meet."""
+        first, self._loop_met = not self._loop_met, True
+        return first
+
+    def loop_failed(self, outcome: Failed) -> None:
+        """The loop stays in this process after a failure (`runner.rejoin_in_loop`) and tells
+        the driver `outcome`: should the driver let this rank go, that was its last word."""
+        self.outcome_sent = outcome
+
+    def wait_for_save(self) -> None:
+        """Block until this rank's asynchronous save in flight is written (raising its error):
+        TrainState waits so before it copies the next, one copy in memory at a time."""
+        self._saves.wait()
+
+    # -- the driver's side of the conversation ---------------------------------------------------
 
     def send(self, message: Any) -> None:
         with self._send_lock:
@@ -157,14 +171,13 @@ class Session:
                 self._note_committed(message)
             elif isinstance(message, Validated):
                 self._validated.add(message.name)
-            elif isinstance(message, Reply) and self._awaiting_reply:
+            elif isinstance(message, Reply) and self._replies.awaiting:
                 self._took(message)
             else:
                 raise AssertionError(f"unexpected message from the driver: {message!r}")
 
     def _note_committed(self, message: Committed) -> None:
-        if message.iteration > self._committed_async:
-            self._committed_async = message.iteration
+        if self._saves.committed(message.iteration):
             self._follow(message.name)
 
     def _follow(self, name: str) -> None:
@@ -173,16 +186,14 @@ class Session:
         self._latest = Checkpoint(storage.url(name), storage.filesystem_arg)
 
     def _took(self, reply: Reply) -> None:
-        self._reply, self._verdict_at = reply, reply.verdict_at
-        self._awaiting_reply = False
+        self._replies.took(reply)
         if reply.committed is not None:
             self._follow(reply.committed)
 
     def _take_reply(self) -> None:
-        if self._awaiting_reply:
+        if self._replies.awaiting:
             self._took(self.receive(Reply))
-        if self._reply.stop:
-            raise StopTraining(self._reply.attach)
+        self._replies.stop_if_told()
 
     def gather(self, op: str, data: bytes | None = None, error: str = "") -> Gathered:
         """Make collective call `op` through the driver (`train.collective` with no process
@@ -193,7 +204,7 @@ class Session:
 
     def should_checkpoint(self) -> bool:
         self._take_reply()
-        return self._reply.checkpoint
+        return self._replies.latest.checkpoint
 
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
                name: str | None = None, delete_local: bool = False, asynchronous: bool = False,
@@ -211,21 +222,21 @@ class Session:
         if checkpoint is not None:
             self.saving()
         self._take_reply()  # from here on, every earlier report's synchronous checkpoint is committed
-        self.saver.check()
+        self._saves.check()
         iteration = self.iteration + 1
         files = None
         if checkpoint is not None and asynchronous:
-            self._check_local(checkpoint)
-            directory = _move_aside(checkpoint.path, iteration) if delete_local else checkpoint.path
+            check_local(checkpoint)
+            directory = move_aside(checkpoint.path, iteration) if delete_local else checkpoint.path
             job = self._background_job(iteration, name, lambda: (directory, delete_local))
             report = Report(iteration, metrics, None, name, pending=True, validation=validation)
             self._send_report(report, job)
             return
         if checkpoint is not None:
-            self._check_local(checkpoint)
+            check_local(checkpoint)
             storage = self.info.storage
             if name is not None:
-                check_name_free(storage, name, self._async_names)
+                self._saves.check_free(storage, name)
             staging = staging_name(iteration, self.info.attempt, storage, name)
             files = write_rank_files(storage, staging, checkpoint.path, self.info.world_rank,
                                      guard=self.check_attempt)
@@ -251,30 +262,19 @@ class Session:
         metrics = recordable(metrics, in_trial=self.info.trial_name is not None)
         self.saving()
         self._take_reply()
-        self.saver.check()
+        self._saves.check()
         iteration = self.iteration + 1
         job = self._background_job(iteration, None, produce)
         self._send_report(Report(iteration, metrics, None, None, pending=True), job)
-
-    @staticmethod
-    def _check_local(checkpoint: Any) -> None:
-        if not isinstance(checkpoint, Checkpoint):
-            raise TypeError("train.report(checkpoint=...) needs a Checkpoint, e.g. "
-                            "Checkpoint.from_directory(path)")
-        if not checkpoint.is_local:
-            raise ValueError(f"train.report needs a checkpoint in a local directory, got "
-                             f"{checkpoint.path}. Hint: write the files to a temporary "
-                             "directory and pass Checkpoint.from_directory(it)")
 
     def _background_job(self, iteration: int, name: str | None,
                         produce: Callable[[], tuple[str, bool]]) -> Callable[[], None]:
         """The save of report `iteration`, to start once the report is sent; first waits for
         this rank's previous save to be durable (one in flight)."""
-        self.saver.wait()
+        self._saves.wait()
         storage = self.info.storage
         if name is not None:
-            check_name_free(storage, name, self._async_names)  # the driver may not have committed them yet
-            self._async_names.add(name)
+            self._saves.claim(storage, name)
         staging = staging_name(iteration, self.info.attempt, storage, name)
         return stage_job(storage, staging, iteration, self.info.world_rank, produce, self.send,
                          guard=self.check_attempt)
@@ -282,35 +282,23 @@ class Session:
     def saving(self) -> None:
         """The save of the coming report begins now (TrainState calls it before it serializes):
         from here to the report's send, the loop is blocked saving (`Report.save_s`)."""
-        if self._save_t0 is None:
-            self._save_t0 = time.monotonic()
+        self._notes.saving()
 
     def _send_report(self, report: Report, save: Callable[[], None] | None = None) -> None:
         """Send `report`, then start its background `save` (its `Staged` must follow it)."""
         iteration = report.iteration
-        asked = (self._reply.checkpoint or report.at_end
-                 or (self._verdict_at is not None and iteration >= self._verdict_at))
-        if self._save_t0 is not None:
-            report.save_s = time.monotonic() - self._save_t0
-            self._save_t0 = None
-        report.auto = self.auto_checkpoint
-        if self.forward_clock is not None:
-            report.forward_s = self.forward_clock.take()
+        asked = self._replies.wanted_now(iteration, report.at_end)
+        self._notes.stamp(report)
         self.send(report)
         if save is not None:
-            self.saver.start(save)
-            self._saved_async = iteration
+            self._saves.start(save, iteration)
         faults.point("after_report")
         self.iteration = iteration
         self.reports += 1
         if self.jit is not None:
             self.jit.after_report(iteration)
-        self._awaiting_reply = True
-        self._reply = NO_REPLY
+        self._replies.sent()
         if asked:
-            # The driver asked for this checkpoint (preemption), or this report may be the last:
-            # take its verdict now, so that a stop ends the loop right after this report
-            # instead of after one more iteration.
             self._take_reply()
 
     def finish(self) -> int:
@@ -320,14 +308,14 @@ class Session:
             self._take_reply()
         except StopTraining:
             pass
-        self.saver.wait()
+        self._saves.wait()
         return self.reports
 
     def drain(self) -> None:
         """The loop failed: let the save in flight finish (the driver commits it if every rank's
         files arrive), so that a failure costs no more than the work since that save."""
         try:
-            self.saver.wait()
+            self._saves.wait()
         except BaseException as e:  # noqa: BLE001 - the loop's own error is the one to report
             log.warning("rank %d: its checkpoint save in the background failed too: %s",
                         self.info.world_rank, e)
@@ -348,25 +336,13 @@ class Session:
         asynchronous save); with `validated`, also once every validation asked for so far has
         ended (when the trainer validates at all)."""
         self._take_reply()
-        self.saver.wait()
-        while self._committed_async < self._saved_async:
+        self._saves.wait()
+        while self._saves.uncommitted:
             self._note_committed(self.receive(Committed))
-        storage = self.info.storage
-        markers = []
-        for name in scan(storage)[0]:
-            try:
-                markers.append(read_marker(storage, name))
-            except TornCheckpointError:
-                continue
-        records = validation_record.read_all(storage, markers)
-        waiting = {m.name for m in markers if m.validation is not None and m.name not in records}
-        while validated and self.info.validates and waiting - self._validated:
+        committed = CommittedCheckpoints(self.info.storage)
+        while validated and self.info.validates and committed.validating - self._validated:
             self._validated.add(self.receive(Validated).name)
-        records.update(validation_record.read_all(storage, [m for m in markers if m.name in waiting]))
-        return [ReportedCheckpoint(Checkpoint(storage.url(m.name), storage.filesystem_arg),
-                                   validation_record.metrics(m, records.get(m.name)),
-                                   ReportedCheckpointStatus(validation_record.status(m, records.get(m.name))))
-                for m in markers]
+        return committed.reported()
 
     def save_return_value(self, value: Any) -> None:
         """Keep what rank 0's training function returned, for `Result.return_value`."""
@@ -385,39 +361,22 @@ class Session:
         return shard(self.datasets[name], self.info.world_rank, self.info.world_size)
 
 
-def _move_aside(path: str, iteration: int) -> str:
-    """Take over a reported directory that is to be deleted anyway: a rename, so that the caller
-    may delete or reuse the path at once while the files are staged from the new one."""
-    aside = f"{path.rstrip(os.sep)}.unbroken-save-{iteration}"
-    os.rename(path, aside)
-    return aside
-
-
-def shard(dataset: Any, rank: int, world_size: int) -> Any:
-    """This rank's part of a dataset: every world_size-th item starting at rank."""
-    if is_dataset_builder(dataset):
-        dataset = dataset()
-    indices = range(rank, len(dataset), world_size)
-    if isinstance(dataset, (list, tuple)):
-        return type(dataset)(dataset[i] for i in indices)
-    try:
-        from torch.utils.data import Dataset, Subset
-    except ImportError:  # pragma: no cover - torch is optional for DataParallelTrainer
-        return [dataset[i] for i in indices]
-    if isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__"):
-        return Subset(dataset, list(indices))
-    return [dataset[i] for i in indices]
-
-
 _current: Session | None = None
 
 
 def install(session: Session | None) -> None:
+    """Make `session` this process's session (None: the process is between attempts)."""
     global _current
     _current = session
 
 
+def active() -> Session | None:
+    """This process's session, or None outside a run (a module that also works outside one)."""
+    return _current
+
+
 def current(what: str) -> Session:
+    """This process's session; `what`, called outside a run, says so in a RuntimeError."""
     if _current is None:
         raise RuntimeError(f"{what} can only be called inside a training function run by a "
                            "trainer's fit(). Hint: call it from train_loop_per_worker")

@@ -111,10 +111,7 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
             kwargs["init_sync"] = False
         model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
         model.unbroken_ddp_kwargs = kwargs
-        session.wrappers.append(model)
-        if session.forward_clock is not None:
-            session.forward_clock.detach()
-        session.forward_clock = ForwardClock(model.module, device)
+        session.wrapped(model, ForwardClock(model.module, device))
     return model
 
 
@@ -241,7 +238,7 @@ class ResumableDataLoader:
 
 def worker_ranks() -> tuple[int, int]:
     """(rank, world size) of this worker: from the session, else torch.distributed, else (0, 1)."""
-    session = session_mod._current
+    session = session_mod.active()
     if session is not None:
         return session.info.world_rank, session.info.world_size
     if dist.is_available() and dist.is_initialized():

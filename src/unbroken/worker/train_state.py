@@ -30,52 +30,30 @@ shards into `dcp-a<attempt>/`, and `train_state.pt` holds the rest and names tha
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, Literal
 
 import torch
 
-from unbroken.errors import StateMismatchError
 from unbroken.state.state_file import (
     LOADABLE_SCALARS,
-    STATE_FILE,
     build_payload,
     capture_rng,
-    compare_names,
-    loader_file,
     plain_problem,
-    read_payload,
-    restore_rng,
-    rng_file,
     snapshot,
     unwrap,
     write_files,
 )
-from unbroken.state.stream_loader import StreamLoader, kind_of, refusal, seek_from
+from unbroken.state.stream_loader import StreamLoader, kind_of, refusal
 from unbroken.store.checkpoint import Checkpoint
-from unbroken.store.commit import staging_name
-from unbroken.worker import in_loop
+from unbroken.worker import in_loop, sharded_objects, state_load
 from unbroken.worker import jit as jit_mod
 from unbroken.worker import session as session_mod
 from unbroken.worker.torch_backend import worker_ranks
 
-logger = logging.getLogger("unbroken")
-
 COMPONENTS = ("model", "optimizer", "scheduler", "loader")
-
-def is_sharded(model: Any) -> bool:
-    """True when `model` holds sharded parameters (DTensor: FSDP2, tensor parallelism).
-
-    Without importing torch.distributed.tensor (a second to import): no DTensor exists
-    until something imported it."""
-    tensor_mod = sys.modules.get("torch.distributed.tensor")
-    if tensor_mod is None or not isinstance(model, torch.nn.Module):
-        return False
-    return any(isinstance(p, tensor_mod.DTensor) for p in model.parameters())
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -221,13 +199,8 @@ class TrainState:
     def sharded_names(self) -> list[str]:
         """The objects saved through torch.distributed.checkpoint, one shard per rank: the
         model when its parameters are sharded (FSDP2, tensor parallelism), and its optimizer
-        once it holds state (before its first step there are no shards, only settings)."""
-        model = self._objects.get("model")
-        if model is None or not is_sharded(unwrap(model)):
-            return []
-        optimizer = self._objects.get("optimizer")
-        stepped = optimizer is not None and bool(getattr(optimizer, "state", None))
-        return ["model", "optimizer"] if stepped else ["model"]
+        once it holds state (`sharded_objects`)."""
+        return sharded_objects.sharded_names(self._objects)
 
     def save(self, directory: str | os.PathLike) -> list[str]:
         """Write this rank's files of a checkpoint into `directory`; returns their names.
@@ -249,16 +222,10 @@ class TrainState:
         if sharded:
             from unbroken.state import sharded as sharded_mod
 
-            shards = sharded_mod.shard_dir(_attempt())
-            written += sharded_mod.save_into(directory, shards, self._sharded_state(sharded), shards_in)
+            shards = sharded_objects.shard_dir()
+            live = sharded_objects.live_shards(self._objects, sharded)
+            written += sharded_mod.save_into(directory, shards, live, shards_in)
         return written + write_files(directory, worker_ranks()[0], *self._capture(sharded, shards))
-
-    def _sharded_state(self, sharded: list[str]) -> dict[str, Any]:
-        """This rank's shards of the model (and optimizer), for torch.distributed.checkpoint."""
-        from unbroken.state import sharded as sharded_mod
-
-        optimizer = self._objects["optimizer"] if "optimizer" in sharded else None
-        return sharded_mod.live_state(unwrap(self._objects["model"]), optimizer)
 
     def _capture(self, sharded: list[str], shards: str | None, copy: bool = False
                  ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
@@ -313,7 +280,7 @@ class TrainState:
                             f"{checkpoint!r}. Hint: to report a checkpoint of your own, "
                             "call train.report(metrics, checkpoint=Checkpoint.from_directory(d))")
         session = session_mod.current("TrainState.report()")
-        session.auto_checkpoint = checkpoint == "auto"
+        session.auto_checkpoints(checkpoint == "auto")
         checkpoint = checkpoint is True
         # Asked before this report, so every rank gets the driver's answer for the same report.
         if not (checkpoint or session.should_checkpoint()):
@@ -321,11 +288,11 @@ class TrainState:
             return False
         session.saving()
         if self._async_save:
-            session.saver.wait()  # one save in flight: the previous copy is freed before this one
+            session.wait_for_save()  # one save in flight: the previous copy is freed before this one
             session.report_async(metrics, self._snapshot_writer())
             return True
         with tempfile.TemporaryDirectory(prefix="unbroken-state-") as d:
-            self._write(d, _next_staging() if self.sharded_names() else None)
+            self._write(d, sharded_objects.next_staging() if self.sharded_names() else None)
             session.report(metrics, Checkpoint.from_directory(d))
         return True
 
@@ -337,10 +304,10 @@ class TrainState:
         if sharded:
             from unbroken.state import sharded as sharded_mod
 
-            shards = sharded_mod.shard_dir(_attempt())
-            shard_state = snapshot(self._sharded_state(sharded))
+            shards = sharded_objects.shard_dir()
+            shard_state = snapshot(sharded_objects.live_shards(self._objects, sharded))
             group = sharded_mod.background_group()
-            staging = _next_staging()
+            staging = sharded_objects.next_staging()
         payload, rng, loaders = self._capture(sharded, shards, copy=True)
 
         def write() -> tuple[str, bool]:
@@ -367,8 +334,9 @@ class TrainState:
         if checkpoint is None:
             session = session_mod.current("TrainState.restore()")
             if session.peer_state is not None:  # recovering in place: a peer sent the state
-                self._apply(session.peer_state, "the state a surviving rank sent", strict)
-                session.peer_state = None
+                state_load.apply(self._objects, self._values, session.peer_state,
+                                 "the state a surviving rank sent", strict)
+                session.peer_state_loaded()
                 self._start_step_streams()
                 return True
             checkpoint = session.get_checkpoint()
@@ -383,89 +351,10 @@ class TrainState:
     def _start_step_streams(self) -> None:
         """With `step_seed`, inside a run: seed this rank's generators for the steps after the
         run's current report (the one resumed from, or 0), as each report does for the next."""
-        session = session_mod._current
+        session = session_mod.active()
         if self._step_seed is not None and session is not None:
             jit_mod.seed_step(self._step_seed, session.info.world_rank, session.iteration, self._generators)
 
     def load(self, directory: str | os.PathLike, *, strict: bool = True) -> None:
         """Load a checkpoint directory written by `save`/`report` into this state."""
-        directory = os.fspath(directory)
-        path = os.path.join(directory, STATE_FILE)
-        if not os.path.exists(path):
-            raise StateMismatchError(
-                f"{directory} has no {STATE_FILE}, so it was not written by TrainState (it has: "
-                f"{sorted(os.listdir(directory)) if os.path.isdir(directory) else 'no such directory'}). "
-                "Hint: a run that saved its own files must keep loading them itself from "
-                "train.get_checkpoint(); start a new run to use TrainState")
-        payload = read_payload(path)
-        self._apply(payload, directory, strict)
-        rank, _ = worker_ranks()
-        seek_from(os.path.join(directory, loader_file(rank)),
-                  {name: obj for name, obj in self._objects.items() if isinstance(obj, StreamLoader)})
-        rng_path = os.path.join(directory, rng_file(rank))
-        if not os.path.exists(rng_path):
-            logger.warning("rank %d has no saved random state in %s (the run had %s workers); its "
-                           "generators keep their current state", rank, directory,
-                           payload.get("world_size"))
-            return
-        # Last, so that nothing done while loading draws from the restored generators.
-        rng = torch.load(rng_path, weights_only=True, map_location="cpu")
-        generators = rng.pop("generators", {})
-        compare_names("generator", self._generators, generators, strict, directory)
-        for name, g in self._generators.items():
-            if name in generators:
-                g.set_state(generators[name])
-        restore_rng(rng)
-
-    def _apply(self, payload: dict[str, Any], directory: str, strict: bool) -> None:
-        """Load `train_state.pt`'s contents (from `directory`, or as a peer sent them) into the
-        objects and the plain values."""
-        state_dicts: dict[str, Any] = payload["state_dicts"]
-        values: dict[str, Any] = payload["values"]
-        sharded = payload.get("sharded") or {"names": []}
-        compare_names("object", self._objects, {**state_dicts, **dict.fromkeys(sharded["names"])}, strict,
-                      directory)
-        compare_names("value", self._values, values, strict, directory)
-        if "model" in state_dicts and self.sharded_names():
-            raise StateMismatchError(
-                f"the checkpoint {directory} holds a whole (unsharded) model, saved from rank 0, "
-                "and this run's model is sharded (DTensor parameters); TrainState loads sharded "
-                "state only from a sharded checkpoint. Hint: resume with the model as it was saved "
-                "(DDP or plain), or start a new run from these weights: load them into the model "
-                "before sharding it")
-        if "model" in sharded["names"] and "model" in self._objects:
-            self._load_sharded(os.path.join(directory, sharded["directory"]), sharded["names"],
-                               payload.get("torch_version"))
-        for name, obj in self._objects.items():
-            if name in state_dicts:
-                (unwrap(obj) if name == "model" else obj).load_state_dict(state_dicts[name])
-        for name in self._values:
-            if name in values:
-                self._values[name] = values[name]
-
-    def _load_sharded(self, shards: str, names: list[str], saved_torch: str | None) -> None:
-        """Load the model (and optimizer) saved through torch.distributed.checkpoint,
-        resharded onto this run's layout. Collective."""
-        from unbroken.state import sharded as sharded_mod
-
-        optimizer = self._objects.get("optimizer") if "optimizer" in names else None
-        sharded_mod.load_saved_by(saved_torch, shards, unwrap(self._objects["model"]), optimizer)
-
-
-def _next_staging() -> str | None:
-    """Where the next report's checkpoint is staged, when that is a local directory: sharded
-    files are written there directly, so that their bytes are written once (the report finds
-    them in place and only sums them). None on object stores, where the report uploads them."""
-    session = session_mod.current("TrainState.report()")
-    storage = session.info.storage
-    if not storage.renames_atomically:
-        return None
-    return storage.local_path(staging_name(session.iteration + 1, session.info.attempt, storage))
-
-
-def _attempt() -> int | None:
-    """This run's attempt number, or None outside a run."""
-    session = session_mod._current
-    return session.info.attempt if session is not None else None
-
-
+        state_load.load(self._objects, self._values, self._generators, os.fspath(directory), strict)

@@ -10,10 +10,7 @@ small message each way (a fraction of a millisecond) instead of Ray calls.
 
 Lifetimes: actors are never detached, so Ray kills them when the driver dies; `shutdown`
 kills them and removes the placement group (unless the next attempt takes it over warm: see
-`RayWorkerGroup`). A rank is lost when its process dies (its
-running call fails with `ActorDiedError` within milliseconds) or its node does: the call
-then fails with `ActorUnavailableError` about a second after the loss, and that counts as
-lost at once (Ray's dead-node verdict comes ~15 s later, and the peers cannot progress).
+`engine.ray_spares`). How the group learns that a rank was lost, and why: `engine.ray_deaths`.
 """
 
 from __future__ import annotations
@@ -40,17 +37,11 @@ from unbroken.core import shipping
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup, renumbered
-from unbroken.execution.engine.ray_actor import (
-    RankActor,
-    await_verdict,
-    connect,
-    kill_actors,
-    sigkill,
-    versions,
-    why_died,
-)
+from unbroken.execution.engine.ray_actor import RankActor, connect, kill_actors, sigkill, versions
+from unbroken.execution.engine.ray_deaths import RankDeaths, lost_with_node
 from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
+from unbroken.execution.engine.ray_spares import WARM_WAIT_S, Spares, match
 from unbroken.worker import stacks
 from unbroken.worker.protocol import Rejoin, from_wire, to_wire
 
@@ -61,26 +52,11 @@ START_TIMEOUT_S = float(os.environ.get("UNBROKEN_RAY_START_TIMEOUT_S", "300"))
 # How often an idle poll asks Ray whether a rank's call ended (a lost node whose connection
 # does not close); a closed connection is looked into at once.
 CHECK_S = 0.25
-# After a rank's connection closed without `Done`: how long Ray may take to say why (a killed
-# process: milliseconds; a lost node: ~1.4 s, measured). Past it, the rank is lost all the same.
-WHY_WAIT_S = 2.0
-# How long a restart waits for the spares to finish warming up (each imports torch once).
-WARM_WAIT_S = 60.0
 
 
 class RayWorkerGroup:
-    """Ranks as Ray actors in one placement group: a `WorkerGroup` (engine.base).
-
-    Warm restarts: once the ranks are in their loop and a failure would be retried,
-    `warm_up` starts one spare actor per bundle, on the bundle's node but outside the
-    placement group (no resources of its own), which imports torch and torch._dynamo and
-    waits. After a failure the group is shut down with `keep_warm`. The next group of the
-    same size keeps the placement group and starts its ranks on the spares; after
-    `release_placement` (an elastic run changing size, or a lost node) it places a new
-    group, and each rank whose bundle lands on a node with a spare starts on it. A spare
-    that is gone (its node was lost) is not waited for; with GPUs (a spare has none
-    assigned) every group starts cold.
-    """
+    """Ranks as Ray actors in one placement group: a `WorkerGroup` (engine.base), with warm
+    restarts on spare actors (`warm_up`, `keep_warm`: see engine.ray_spares)."""
 
     spans_machines = True
 
@@ -89,20 +65,17 @@ class RayWorkerGroup:
         self.num_workers = scaling.num_workers
         self.pg: Any = None
         self.actors: list[Any] = []   # by rank
-        self.spares: list[Any] = []   # by bundle, after warm_up
+        self.spares = Spares()        # by bundle, after warm_up
         self.refs: list[Any] = []     # each rank's running `run` call
         self.metas: list[dict[str, Any]] = []
         self.placements: list[Placement] = []  # by rank, once started
-        self._spare_nodes: list[str] = []  # each spare's node, by bundle
         self.conns: list[Connection | None] = []
         self._warm = warm
         self._bundles: list[int] = []  # each rank's bundle in the placement group
         self._selector = selectors.DefaultSelector()
         self._wake: Wakeup | None = None
         self._listener: Listener | None = None
-        self._finished: set[int] = set()
-        self._ended: set[int] = set()        # reported as died, or finished
-        self._dying: dict[int, WorkerDied] = {}  # shows in the next poll
+        self._deaths = RankDeaths()
         self._idle: set[int] = set()  # bundles of dropped ranks (`drop`)
         self._checked = 0.0
 
@@ -167,49 +140,29 @@ class RayWorkerGroup:
         each bundle taking a spare on its node (a new actor where there is none). None when
         there is nothing warm, or a spare taken does not answer."""
         old, self._warm = self._warm, None
-        if old is None or not old.spares or None in old.spares:  # none, or one taken by a rejoin
+        if old is None or not old.spares.complete():  # none, or one taken by a rejoin
             return None
-        spares, nodes = old.spares, old._spare_nodes
-        old.spares = []
+        spares, nodes = old.spares.take_all()
         self.actors = spares  # from here on, this group's to release
         if old.pg is not None and old.num_workers == self.num_workers:
             self.pg, old.pg = old.pg, None  # spare i sits on the node of bundle i
         else:
             old._release()
             self._reserve()
-            self.actors = self._match(spares, nodes)
+            placed = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+            self.actors = match(spares, nodes, placed, self.num_workers, self._actor)
         try:
             return self.actors, ray.get([a.meta.remote() for a in self.actors], timeout=WARM_WAIT_S)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             self._release()
             return None
 
-    def _match(self, spares: list[Any], nodes: list[str]) -> list[Any]:
-        """One actor per bundle of the new placement group: a spare on the bundle's node where
-        there is one, else a new actor. The spares left over are killed."""
-        pool: dict[str, list[Any]] = {}
-        for spare, node in zip(spares, nodes, strict=True):
-            pool.setdefault(node, []).append(spare)
-        placed = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
-        actors = [pool[placed[i]].pop() if pool.get(placed[i]) else self._actor(i)
-                  for i in range(self.num_workers)]
-        kill_actors([spare for left in pool.values() for spare in left])
-        return actors
-
     def warm_up(self) -> None:
         """One spare per bundle (again for those a `rejoin` took)."""
-        if (self.spares and None not in self.spares) or self.pg is None or self.scaling.use_gpu or self._idle:
+        if self.spares.complete() or self.pg is None or self.scaling.use_gpu or self._idle:
             return  # after a `drop`, a restart places a group of its own size
-        # Outside the placement group, on the nodes of its bundles: a spare outlives the group
-        # when it is released (another size, a lost node) and serves the next one on its node.
-        self._spare_nodes = [self.metas[self._bundles.index(i)]["node_id"] for i in range(self.num_workers)]
-        self.spares = self.spares or [None] * self.num_workers
-        for i, node in enumerate(self._spare_nodes):
-            if self.spares[i] is None:
-                self.spares[i] = ray.remote(RankActor).options(
-                    num_cpus=0, max_restarts=0, max_concurrency=1,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-                self.spares[i].warm.remote(self.num_workers > 1)
+        nodes = [self.metas[self._bundles.index(i)]["node_id"] for i in range(self.num_workers)]
+        self.spares.start(nodes, self.num_workers > 1)
 
     def release_placement(self) -> None:
         if self.pg is not None:
@@ -264,7 +217,7 @@ class RayWorkerGroup:
         rank in `replaced` is killed and started again in its bundle, on its spare when the
         group kept one warm, else on a new actor (always after its node was lost: Ray places
         the bundle on another node, see `_moved`)."""
-        self._finished, self._ended, self._dying = set(), set(), {}
+        self._deaths = RankDeaths()
         for rank in sorted(replaced):
             conn, self.conns[rank] = self.conns[rank], None
             if conn is not None:
@@ -273,10 +226,8 @@ class RayWorkerGroup:
                 conn.close()
             kill_actors([self.actors[rank]])
             bundle = self._bundles[rank]
-            spare = self.spares[bundle] if self.spares else None
-            if spare is not None:
-                self.spares[bundle] = None  # taken: the group is no longer warm for a restart
-            moved = self._lost_with_node(rank)
+            spare = self.spares.take(bundle)
+            moved = lost_with_node(rank, self.refs[rank], self.metas[rank])
             if moved:
                 kill_actors([spare])  # it was on the lost node too
                 spare = None
@@ -316,16 +267,6 @@ class RayWorkerGroup:
         alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
         return sum(1 for bundle in self._idle if placed.get(bundle) in alive)
 
-    def _lost_with_node(self, rank: int) -> bool:
-        """Whether rank `rank` was lost with its node; if so, once Ray has declared the node
-        dead (`await_verdict`), so that its bundle is placed on another node."""
-        ended, _ = ray.wait([self.refs[rank]], timeout=0)
-        died = self._died(rank) if ended else None
-        if died is None or not died.node_lost:
-            return False
-        await_verdict(self.metas[rank]["node_id"])
-        return True
-
     def _moved(self, rank: int) -> None:
         """Rank `rank`'s node was lost: its new actor starts once Ray has placed its bundle on a
         live node (within START_TIMEOUT_S); the rank's placement follows it there, after the
@@ -360,7 +301,7 @@ class RayWorkerGroup:
     # -- running ---------------------------------------------------------------------------
     def send(self, rank: int, message: Any) -> None:
         conn = self.conns[rank]
-        if conn is None or rank in self._ended:
+        if conn is None or rank in self._deaths.ended:
             return
         try:
             conn.send(to_wire(message))
@@ -371,9 +312,7 @@ class RayWorkerGroup:
         if wake is not None and wake is not self._wake:
             self._selector.register(wake, selectors.EVENT_READ, wake)
             self._wake = wake
-        out: list[Event] = [(rank, died) for rank, died in self._dying.items()]
-        self._ended.update(self._dying)
-        self._dying = {}
+        out = self._deaths.due()
         closed = []
         for key, _ in self._selector.select(0 if out else min(timeout, CHECK_S)):
             if key.data is self._wake:
@@ -387,7 +326,7 @@ class RayWorkerGroup:
         now = time.monotonic()
         if closed or now - self._checked >= CHECK_S:
             self._checked = now
-            self._look_for_losses(closed, out)
+            self._deaths.look(self.refs, self.metas, closed, out)
         return out
 
     def _read(self, rank: int) -> tuple[list[Any], bool]:
@@ -401,51 +340,8 @@ class RayWorkerGroup:
             return out, True
         return out, False
 
-    def _look_for_losses(self, closed: list[int], out: list[Event]) -> None:
-        """Turn ended calls and closed connections of unfinished ranks into deaths; a rank with
-        a message in `out` dies in the next poll, after its message was handled."""
-        live = {rank: ref for rank, ref in enumerate(self.refs)
-                if rank not in self._ended and rank not in self._finished}
-        if not live:
-            return
-        ended, _ = ray.wait(list(live.values()), num_returns=len(live), timeout=0)
-        gone = {rank for rank, ref in live.items() if ref in ended}
-        for rank in closed:
-            if rank in live and rank not in gone:
-                ready, _ = ray.wait([live[rank]], timeout=WHY_WAIT_S)
-                if ready:
-                    gone.add(rank)
-                else:
-                    where = self.metas[rank]["address"]
-                    self._dying[rank] = WorkerDied(
-                        rank, cause=f"its connection to the driver closed (node {where})", engine="ray")
-        spoke = {rank for rank, _ in out}
-        for rank in sorted(gone):
-            died = self._died(rank)
-            if died is None:
-                continue
-            if rank in spoke or rank in self._dying:
-                self._dying[rank] = died
-            else:
-                out.append((rank, died))
-                self._ended.add(rank)
-        for rank in list(self._dying):
-            if rank not in spoke:
-                out.append((rank, self._dying.pop(rank)))
-                self._ended.add(rank)
-
-    def _died(self, rank: int) -> WorkerDied | None:
-        """Why `rank`'s ended call ended (None: it ended cleanly, its `Done` is on the way)."""
-        try:
-            ray.get(self.refs[rank], timeout=0)
-        except ray.exceptions.RayActorError as error:
-            return why_died(rank, error, self.metas[rank])
-        except Exception as error:  # noqa: BLE001 - the call itself failed: a death all the same
-            return WorkerDied(rank, cause=f"{type(error).__name__}: {error}", engine="ray")
-        return None  # it returned: its outcome (Done or Failed) was sent before
-
     def mark_finished(self, rank: int) -> None:
-        self._finished.add(rank)
+        self._deaths.finished.add(rank)
 
     def stacks(self, wait_s: float) -> dict[int, str | None]:
         """Each rank's stacks, dumped by a task on its node (the signal reaches only there); None
@@ -463,25 +359,14 @@ class RayWorkerGroup:
         return texts
 
     def lost_ranks(self, wait_s: float) -> list[WorkerDied]:
-        live = [ref for rank, ref in enumerate(self.refs) if rank not in self._finished]
-        if not live:
-            return []
-        ray.wait(live, num_returns=1, timeout=wait_s)
-        ended, _ = ray.wait(live, num_returns=len(live), timeout=0)
-        lost = []
-        for rank, ref in enumerate(self.refs):
-            if ref in ended and rank not in self._finished:
-                died = self._died(rank)
-                if died is not None and died.violent:
-                    lost.append(died)
-        return lost
+        return self._deaths.lost(self.refs, self.metas, wait_s)
 
     def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
         if self.refs and not kill:
             ray.wait(self.refs, num_returns=len(self.refs), timeout=5)
         kill_actors(self.actors)
         self.actors, self.refs = [], []
-        if not (keep_warm and self.spares):
+        if not (keep_warm and self.spares.actors):
             self._release()
         for conn in self.conns:
             if conn is not None:
@@ -493,6 +378,7 @@ class RayWorkerGroup:
 
     def _release(self) -> None:
         """Kill the actors and spares, and give the placement group's resources back."""
-        kill_actors(self.actors + self.spares)
-        self.actors, self.spares = [], []
+        kill_actors(self.actors)
+        self.spares.kill()
+        self.actors = []
         self.release_placement()
