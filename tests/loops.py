@@ -236,6 +236,11 @@ def sgd_step(model, opt, sched, x, y) -> torch.Tensor:
     return loss
 
 
+def jit_options(step_seed: int | None) -> dict:
+    """TrainState's options for just-in-time checkpoints, with `step_seed` unless it is None."""
+    return {"jit_checkpoint": True, **({"step_seed": step_seed} if step_seed is not None else {})}
+
+
 def exact_loop(config: dict) -> None:
     """A DDP job with dropout, augmentation in the dataset, AdamW and a per-step scheduler, whose
     whole state is a TrainState checkpointed every `ckpt_every` steps (mid-epoch too).
@@ -244,7 +249,8 @@ def exact_loop(config: dict) -> None:
     checkpoint. Faults: kill_at=[[step, attempt, rank, mode], ...], mode raise|exit|sigkill;
     preempt_at=[step, attempt] has rank 0 send SIGTERM to the driver (`driver_pid`);
     `echo` prints "STEP n" on rank 0 after each step's report; `async_save` saves in the
-    background. `jit`: just-in-time checkpoints and per-step random streams (step_seed 7), with
+    background. `jit`: just-in-time checkpoints and per-step random streams (`step_seed`, 7 by
+    default; None: the run's own seed), with
     die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|sigstop|hang) striking
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
     its process id to rank<r>-a<attempt> there. `deterministic`: deterministic algorithms only.
@@ -271,7 +277,7 @@ def exact_loop(config: dict) -> None:
     loader = prepare_data_loader(data, seed_per_sample=config.get("seed_per_sample"))
     state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
                        best=None, async_save=config.get("async_save", False),
-                       **({"jit_checkpoint": True, "step_seed": 7} if config.get("jit") else {}))
+                       **(jit_options(config.get("step_seed", 7)) if config.get("jit") else {}))
     state.restore()
     if config.get("pid_dir"):  # which process ran this rank in this attempt
         with open(os.path.join(config["pid_dir"], f"rank{rank}-a{ctx.get_attempt()}"), "w") as f:

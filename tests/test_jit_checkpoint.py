@@ -27,6 +27,7 @@ from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState
 from unbroken.worker.jit import seed_step
 from unbroken.worker.protocol import JitArmed, JitOffer, JitSaved
+from unbroken.worker.worker_info import run_seed
 
 STEP = 6  # the report the failures follow
 PERIODIC = 4  # the periodic checkpoint before it
@@ -107,6 +108,17 @@ def test_a_survivor_that_never_offers_is_not_waited_for(storage, jit_reference):
     assert_same_run(result, jit_reference, "rank 0 hung after report 6")
 
 
+def test_without_a_step_seed_the_run_s_own_seed_keeps_the_recovery_exact(storage):
+    # No step_seed: the streams are seeded from the run's own seed, the same in every attempt,
+    # so the run still ends as the uninterrupted run seeded with that seed.
+    result = fit(storage, "jit-own-seed", step_seed=None, die_after_report=[[STEP, 1, 1, "sigkill"]])
+    first, second = attempts(result)
+    assert first["jit_checkpoint"]["iteration"] == STEP and second["resumed_iteration"] == STEP, first
+    seed = run_seed(json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["run_id"])
+    reference = fit(storage, "jit-seeded-reference", max_failures=0, step_seed=seed)
+    assert_same_run(result, reference, "seeded from the run's own seed")
+
+
 def sharded_loop(config: dict) -> None:
     """An FSDP2 model whose TrainState has just-in-time checkpoints; rank 1 dies after report
     4 of the first attempt. A checkpoint at report 2."""
@@ -139,11 +151,12 @@ def test_a_sharded_model_falls_back_and_says_why(storage):
 
 
 # -- in-process: the pieces -----------------------------------------------------------------------
-def test_jit_checkpoint_needs_a_step_seed():
-    with pytest.raises(ValueError, match="step_seed"):
-        TrainState(model=torch.nn.Linear(2, 1), jit_checkpoint=True)
+def test_a_step_seed_is_an_int_and_outside_a_run_nothing_is_armed():
+    state = TrainState(model=torch.nn.Linear(2, 1), jit_checkpoint=True)
+    assert state._step_seed is None, "no run: no seed of its own, and nothing to arm"
     with pytest.raises(TypeError, match="step_seed"):
         TrainState(model=torch.nn.Linear(2, 1), step_seed=1.5)
+    assert run_seed("a") == run_seed("a") != run_seed("b") and 0 <= run_seed("a") < 2 ** 60
 
 
 def test_step_streams_are_a_function_of_seed_rank_and_report():

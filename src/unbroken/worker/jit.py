@@ -2,9 +2,11 @@
 completed report round, so that the next attempt resumes there instead of at the last
 periodic checkpoint.
 
-Opt-in: `TrainState(..., jit_checkpoint=True, step_seed=1234)`. Data-parallel training keeps
-a replica of the model and optimizer on every rank, so any rank that is still alive holds the
-state a checkpoint of report k would hold, provided nothing has changed it since report k:
+Opt-in: `TrainState(..., jit_checkpoint=True)` (with `step_seed=1234`, the step streams
+below are seeded from it; without, from the run's own seed, `worker_info.run_seed`).
+Data-parallel training keeps a replica of the model and optimizer on every rank, so any
+rank that is still alive holds the state a checkpoint of report k would hold, provided
+nothing has changed it since report k:
 
 1. Track (worker, every report k): the model's parameters and the optimizers' state are left
    live; an optimizer step pre-hook marks the state dirty when a step begins, so a step in
@@ -92,17 +94,18 @@ def _copy(value: Any) -> Any:
     return value
 
 
-def check_step_seed(step_seed: Any, jit_checkpoint: Any) -> int | None:
-    """`step_seed` checked, with the `jit_checkpoint` option that needs it."""
+def step_seed_of(step_seed: Any, jit_checkpoint: Any) -> int | None:
+    """The seed of a TrainState's per-step random streams: `step_seed` (checked), or, for
+    `jit_checkpoint=True` without one, the run's own (`worker_info.run_seed`: a rank that dies
+    takes its random state with it, so a just-in-time checkpoint is exact only when every
+    rank's draws after a report follow from (seed, rank, report)); None outside a run."""
     if not isinstance(jit_checkpoint, bool):
         raise TypeError(f"TrainState(jit_checkpoint=...) takes a bool, got {type(jit_checkpoint).__name__}")
     if step_seed is not None and (isinstance(step_seed, bool) or not isinstance(step_seed, int)):
         raise TypeError(f"TrainState(step_seed=...) takes an int, got {type(step_seed).__name__}")
     if jit_checkpoint and step_seed is None:
-        raise ValueError("TrainState(jit_checkpoint=True) needs step_seed=<int>: a rank that dies takes its "
-                         "random state with it, so a just-in-time checkpoint is exact only when every "
-                         "rank's random draws after a report follow from (step_seed, rank, report). "
-                         "Hint: TrainState(..., jit_checkpoint=True, step_seed=1234)")
+        session = session_mod.active()
+        return session.info.run_seed if session is not None else None
     return step_seed
 
 

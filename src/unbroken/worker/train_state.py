@@ -85,9 +85,10 @@ class TrainState:
 
     `step_seed`: per-step random streams: after every report (and in `restore()`) each rank's
     generators are re-seeded from (step_seed, rank, report), so what a step draws does not
-    depend on any rank's earlier state. `jit_checkpoint=True` (needs `step_seed`): when a rank
-    fails, a surviving rank saves the state of the last report as a checkpoint
-    (`unbroken.worker.jit`).
+    depend on any rank's earlier state. `jit_checkpoint=True`: when a rank fails, a surviving
+    rank saves the state of the last report as a checkpoint (`unbroken.worker.jit`); it needs
+    per-step streams, seeded from `step_seed` when given, else from the run's own seed (the
+    same in every attempt of the run; give `step_seed` to make separate runs draw alike).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
@@ -118,9 +119,9 @@ class TrainState:
             else:
                 self._check_plain(name, value)
                 self._values[name] = value
-        object.__setattr__(self, "_step_seed", jit_mod.check_step_seed(step_seed, jit_checkpoint))
-        if jit_checkpoint:
-            jit_mod.arm(self, step_seed)
+        object.__setattr__(self, "_step_seed", jit_mod.step_seed_of(step_seed, jit_checkpoint))
+        if jit_checkpoint and self._step_seed is not None:
+            jit_mod.arm(self, self._step_seed)
 
     @staticmethod
     def _check_stateful(name: str, obj: Any) -> Any:

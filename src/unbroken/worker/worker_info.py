@@ -4,6 +4,7 @@ the options of the run that the rank acts on)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from unbroken.store.checkpoint import Checkpoint
@@ -38,3 +39,11 @@ class WorkerInfo:
     validates: bool = False           # the trainer has a ValidationConfig: validations get done
     peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
     collective_timeout_s: float | None = None  # FailureConfig.collective_timeout_s
+    run_seed: int | None = None       # the run's own seed of per-step random streams (`run_seed`)
+
+
+def run_seed(run_id: str) -> int:
+    """The seed of a run's per-step random streams when its TrainState gives no `step_seed`:
+    derived from the run's id, so it is the same in every attempt and every process of the
+    run (and differs between runs)."""
+    return int(hashlib.sha256(f"step streams {run_id}".encode()).hexdigest()[:15], 16)
