@@ -77,7 +77,7 @@ def loop(config: dict) -> None:
 
 def main() -> None:
     work, size, mode, kill_after, iterations = sys.argv[1:6]
-    failures = FailureConfig(max_failures=1, recover_in_place=mode != "restart")
+    failures = FailureConfig(max_failures=1, recovery="checkpoint" if mode == "restart" else "in_place")
     TorchTrainer(loop, train_loop_config={"work": work, "size_mib": int(size), "kill_after": int(kill_after),
                                           "iterations": int(iterations), "mode": mode},
                  scaling_config=ScalingConfig(num_workers=2),

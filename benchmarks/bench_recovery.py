@@ -10,7 +10,7 @@ from a forkserver with torch imported); they differ in how the state comes back:
 
 - restart: a survivor saves the state just in time, the driver commits it, every rank is
   started again and loads it from storage;
-- in place (`FailureConfig(recover_in_place=True)`): the survivor keeps its process, rank 1
+- in place (`FailureConfig(recovery="in_place")`): the survivor keeps its process, rank 1
   starts again, and the survivor sends it the state over the new process group;
 - in the loop: in place, with the loop in `TrainState.for_each_batch`: the survivor does not
   even leave it (its model, optimizer and loader stay), and redoes the step.

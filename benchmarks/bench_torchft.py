@@ -7,8 +7,9 @@ The same 2-rank job each time (gloo on CPU, a 256-256-10 MLP, AdamW, batches of 
 loss read every step), one rank per process:
 
 - plain: torch.distributed DDP, nothing else;
-- unbroken: `TorchTrainer` with `prepare_model`, a `TrainState(jit_checkpoint=True,
-  step_seed=...)` and `FailureConfig(recover_in_place=True)`, `state.report(...)` every step
+- unbroken: `TorchTrainer` with `prepare_model`, a `TrainState` and
+  `FailureConfig(recovery="in_place")` (the one setting: the state is tracked for
+  just-in-time saves, its step streams seeded from the run), `state.report(...)` every step
   (no checkpoint), the loop in `TrainState.for_each_batch`;
 - torchft (when `import torchft` works): 2 replica groups of 1 process with an in-process
   Lighthouse, `Manager`, torchft's `DistributedDataParallel` and `Optimizer` wrapper
@@ -88,7 +89,7 @@ def unbroken_loop(config: dict) -> None:
     model = prepare_model(module)
     loader = prepare_data_loader(torch.utils.data.DataLoader(range(2 * config["steps"]), batch_size=1,
                                                              shuffle=False))
-    state = TrainState(model=model, optimizer=opt, loader=loader, step=0, jit_checkpoint=True, step_seed=0)
+    state = TrainState(model=model, optimizer=opt, loader=loader, step=0)  # tracked: recovery="in_place"
     state.restore()
     clock = Clock(config["steps"], config["out"] if rank == 0 else None)
 
@@ -112,7 +113,7 @@ def run_unbroken(steps: int, out: str, work: str) -> None:
     TorchTrainer(unbroken_loop, train_loop_config={"steps": steps, "out": out},
                  scaling_config=ScalingConfig(num_workers=2),
                  run_config=RunConfig(name="run", storage_path=work, verbose=0,
-                                      failure_config=FailureConfig(recover_in_place=True))).fit()
+                                      failure_config=FailureConfig(recovery="in_place"))).fit()
 
 
 def torchft_replica(replica: int, lighthouse: str, steps: int, out: str) -> None:

@@ -1,10 +1,10 @@
-"""In-place recovery (FailureConfig(recover_in_place=True)): when a rank fails, the others keep
+"""In-place recovery (FailureConfig(recovery="in_place")): when a rank fails, the others keep
 their processes, the failed rank starts again, the state of the last complete report goes from a
 survivor to every rank over the new process group, and the run still ends bit for bit like the
 uninterrupted one, each iteration once.
 
 Real worker processes: 2 ranks on gloo (DDP), the local engine, `exact_loop` with
-TrainState(jit_checkpoint=True, step_seed=...), a periodic checkpoint every 4 steps; the
+TrainState(step_seed=...), a periodic checkpoint every 4 steps; the
 failures strike right after the report of step 6.
 """
 
@@ -22,13 +22,14 @@ from test_jit_checkpoint import PERIODIC, STEP
 from unbroken.cli import commands as cli
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
+from unbroken.worker.worker_info import run_seed
 
 
 def fit(storage, name, max_failures=1, in_place=True, hang_timeout_s=None, ranks=2, **config):
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
                         scaling_config=ScalingConfig(num_workers=ranks),
                         run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(
-                            max_failures=max_failures, recover_in_place=in_place,
+                            max_failures=max_failures, recovery="in_place" if in_place else "checkpoint",
                             hang_timeout_s=hang_timeout_s))).fit()
 
 
@@ -65,6 +66,29 @@ def test_a_killed_rank_is_replaced_while_the_survivor_keeps_its_process_and_stat
         cli.main(["show", result.path])
     assert (f"attempt 2: recovered in place from iteration {STEP}: rank 0 sent its state; ranks "
             "started again: 1") in shown.getvalue()
+
+
+def test_one_setting_recovers_in_place_a_loop_that_asks_for_nothing_else(storage, tmp_path):
+    # FailureConfig(recovery="in_place") alone: the loop's TrainState gives neither
+    # jit_checkpoint nor step_seed; it is tracked, its streams seeded from the run's own seed.
+    result = fit(storage, "one-setting", jit=False, die_after_report=[[STEP, 1, 1, "sigkill"]],
+                 pid_dir=str(tmp_path))
+    first, second = attempts(result)
+    assert second["in_place"] == {"iteration": STEP, "source": 0, "kept": [0], "replaced": [1]}, second
+    assert pids(tmp_path, 2)[0] == pids(tmp_path, 1)[0], "rank 0 kept its process"
+    seed = run_seed(json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["run_id"])
+    reference = fit(storage, "one-setting-reference", max_failures=0, in_place=False, step_seed=seed)
+    assert_same_run(result, reference, "recovery='in_place' and nothing else")
+
+
+def test_recovery_is_one_of_its_levels_and_the_older_spelling_still_works():
+    with pytest.raises(ValueError, match="recovery must be one of 'checkpoint', 'just_in_time', 'in_place'"):
+        FailureConfig(recovery="exact")
+    with pytest.warns(DeprecationWarning, match="recover_in_place=True"):
+        old = FailureConfig(recover_in_place=True, hang_timeout_s=10)
+    assert old.recovery == "in_place" and old.collective_timeout_s == 15
+    assert FailureConfig(recovery="just_in_time", hang_timeout_s=10).collective_timeout_s is None
+    assert FailureConfig().recovers("checkpoint") and not FailureConfig().recovers("just_in_time")
 
 
 def test_an_elastic_run_on_this_machine_replaces_a_killed_rank_in_place(storage, reference, tmp_path):
@@ -192,7 +216,7 @@ def test_a_rank_killed_while_the_state_is_sent_falls_back_to_the_last_checkpoint
 def test_with_three_ranks_both_survivors_stay_and_the_run_ends_as_the_uninterrupted_one(storage, tmp_path):
     def three(name, **config):
         run = RunConfig(name=name, storage_path=storage,
-                        failure_config=FailureConfig(max_failures=1, recover_in_place=True))
+                        failure_config=FailureConfig(max_failures=1, recovery="in_place"))
         return TorchTrainer(exact_loop, train_loop_config={**BASE, "epochs": 2, "jit": True, **config},
                             scaling_config=ScalingConfig(num_workers=3), run_config=run).fit()
 

@@ -499,7 +499,8 @@ def test_exact_resume_on_ray_equals_the_local_engine_bit_for_bit(cluster, storag
 
 
 def jit_run(engine: str, storage: str, name: str, in_place: bool = False, hang_timeout_s=None, **config):
-    failures = FailureConfig(max_failures=1, recover_in_place=in_place, hang_timeout_s=hang_timeout_s)
+    failures = FailureConfig(max_failures=1, recovery="in_place" if in_place else "checkpoint",
+                             hang_timeout_s=hang_timeout_s)
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
                         scaling_config=ScalingConfig(num_workers=2, engine=engine),
                         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
@@ -580,7 +581,7 @@ jit_run("ray", {storage!r}, "jit-lost-node", die_after_report=[[6, 1, 1, "hang"]
 
 @pytest.mark.slow  # 30 s; in place on Ray above, a lost node's checkpoint just in time in the test before
 def test_a_removed_nodes_rank_is_replaced_in_place_on_another_node_bit_for_bit(cluster, storage, tmp_path):
-    # As above, with recover_in_place=True: rank 0 keeps its actor and sends the state of round
+    # As above, with recovery="in_place": rank 0 keeps its actor and sends the state of round
     # 6 to rank 1, started again in its bundle, which Ray places on the node added in place of
     # the lost one; nothing is saved to storage for it.
     marker = str(tmp_path / "hung")
@@ -609,7 +610,7 @@ jit_run("ray", {storage!r}, "in-place-lost-node", in_place=True, pid_dir={str(pi
 
 def test_an_elastic_run_shrinks_in_place_on_a_lost_node_then_grows_when_one_returns(
         cluster, storage, tmp_path):
-    """num_workers=(2, 3), recover_in_place: rank 2 blocks after report 6 and its node is removed
+    """num_workers=(2, 3), recovery="in_place": rank 2 blocks after report 6 and its node is removed
     with no node in its place. Ranks 0 and 1 go on as a run of 2 from round 6, with the state a
     survivor holds, in the processes they had, without waiting for capacity and without
     reading storage. Their loop is `for_each_batch`, which cannot go on with another world
@@ -631,7 +632,7 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "epochs": {epochs}, "jit": 
         "hang_marker": {marker!r}}},
     scaling_config=ScalingConfig(num_workers=(2, 3), engine="ray", elastic_resize_monitor_interval_s=1),
     run_config=RunConfig(name="shrink-in-place", storage_path={storage!r}, verbose=0,
-                         failure_config=FailureConfig(max_failures=1, recover_in_place=True))).fit()
+                         failure_config=FailureConfig(max_failures=1, recovery="in_place"))).fit()
 """, RAY_ADDRESS=cluster.address)
     try:
         name = remove_for_good(cluster, read_marker(fifo, driver, "rank 2 to block after report 6"))

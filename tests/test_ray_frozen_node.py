@@ -136,7 +136,7 @@ def test_a_frozen_node_is_lost_the_run_finishes_and_the_node_never_rejoins(clust
 
 
 def test_the_survivor_of_a_frozen_node_is_released_at_its_collective_timeout_and_stays(cluster, tmp_path):
-    """recover_in_place with hang_timeout_s: rank 1 blocks after report 6, then its node freezes,
+    """recovery="in_place" with hang_timeout_s: rank 1 blocks after report 6, then its node freezes,
     keeping its connections open, so rank 0 stays blocked in its all-reduce after Ray declared
     the node dead. torch.distributed's collective timeout is 1.5 times the hang bound in such a
     run: rank 0's all-reduce fails there, rank 0 offers round 6 and stays, and rank 1 starts again

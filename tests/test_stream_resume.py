@@ -41,9 +41,9 @@ def runs(tmp_path_factory):
     return str(tmp_path_factory.mktemp("stream-runs"))
 
 
-def fit(storage, name, data_dir, workers=2, max_failures=0, recover_in_place=False, **config):
-    failure = FailureConfig(max_failures=max_failures, recover_in_place=recover_in_place,
-                            **({"hang_timeout_s": 20} if recover_in_place else {}))
+def fit(storage, name, data_dir, workers=2, max_failures=0, recovery="checkpoint", **config):
+    failure = FailureConfig(max_failures=max_failures, recovery=recovery,
+                            **({"hang_timeout_s": 20} if recovery == "in_place" else {}))
     return TorchTrainer(stream_loop, train_loop_config={"data_dir": data_dir, **config},
                         scaling_config=ScalingConfig(num_workers=workers),
                         run_config=RunConfig(name=name, storage_path=storage, failure_config=failure)).fit()
@@ -138,7 +138,7 @@ def test_recovery_in_place_restarts_the_loop_of_a_stream_and_replays_exactly(sto
     # A stream loader does not stay inside its loop (its dataset may not go back to the start
     # of a pass), but the survivor keeps its process, gets round 5 from a peer and replays.
     kind = "hf-shards"
-    result = fit(storage, "in-place", data_dir, kind=kind, jit=True, max_failures=1, recover_in_place=True,
+    result = fit(storage, "in-place", data_dir, kind=kind, jit=True, max_failures=1, recovery="in_place",
                  die_after_report=[[5, 1, 1, "sigkill"]])
     second = attempts(result)[1]
     assert second["in_place"]["iteration"] == 5 and second["in_place"]["kept"] == [0], second

@@ -27,7 +27,7 @@ Invariants checked at every launch and at the end of each trial:
   - with --jit (the loop's state in a TrainState with just-in-time checkpoints): when one
     rank dies or raises right after a report, the survivor's checkpoint of that round is
     committed (the kills of the survivor during that save are among the random kills);
-  - with --in-place (--jit, FailureConfig(recover_in_place=True, max_failures=2,
+  - with --in-place (--jit, FailureConfig(recovery="in_place", max_failures=2,
     hang_timeout_s=6)): when one rank dies, raises or stops (SIGSTOP, found at the hang
     timeout and killed alone) right after a report (or every rank raises), the next attempt
     of the launch recovers in place from that round, reading nothing from storage, and its loop
@@ -353,9 +353,10 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
         scaling_config=scaling,
         run_config=RunConfig(name=name, storage_path=storage, verbose=0,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
-                             failure_config=FailureConfig(max_failures=2 if IN_PLACE[0] else 0,
-                                                          recover_in_place=IN_PLACE[0],
-                                                          hang_timeout_s=HANG_S if IN_PLACE[0] else None)))
+                             failure_config=FailureConfig(
+                                 max_failures=2 if IN_PLACE[0] else 0,
+                                 recovery="in_place" if IN_PLACE[0] else "checkpoint",
+                                 hang_timeout_s=HANG_S if IN_PLACE[0] else None)))
 
 
 def _driver(storage: str, name: str, log: str, how: str, fault: str | None, fault_log: str,
@@ -1034,7 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async", dest="async_saves", action="store_true",
                         help="the loop's checkpoints are written in the background (ASYNC upload)")
     parser.add_argument("--in-place", action="store_true",
-                        help="--jit, with FailureConfig(recover_in_place=True, max_failures=2): a rank "
+                        help="--jit, with FailureConfig(recovery='in_place', max_failures=2): a rank "
                              "struck after a report is started again while the others keep their processes")
     parser.add_argument("--jit", action="store_true",
                         help="the loop keeps its state in a TrainState with just-in-time checkpoints")

@@ -7,6 +7,7 @@ import math
 import os
 import secrets
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -119,6 +120,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# FailureConfig.recovery's levels, weakest first.
+RECOVERY_LEVELS = ("checkpoint", "just_in_time", "in_place")
+
+
 @dataclass
 class FailureConfig:
     """How many times the worker group restarts after a failure within one fit() (-1: unlimited).
@@ -134,21 +139,30 @@ class FailureConfig:
     as INTERRUPTED rather than counting as a failure. `fail_fast` (V1) raises at the first failure;
     in a sweep, a trial's error also ends the sweep (`"raise"`: and fit() raises it), as in Tune.
 
-    `recover_in_place`: when a rank fails in a run whose ranks hold a `TrainState(...,
-    jit_checkpoint=True, step_seed=...)`, the surviving ranks keep their processes, only the
-    failed ranks are started again, and the state of the last complete report goes from a
-    survivor to every rank over the new process group instead of through storage (local and
-    Ray engines; whenever no survivor holds a clean state, the run restarts as before). An
-    elastic run goes on without the ranks lost with their node (a shrink in place). It
-    still counts as a failure against `max_failures`. With `hang_timeout_s` too,
+    `recovery`: how a run whose loop keeps its state in a `TrainState` recovers from a failed
+    rank, one of `RECOVERY_LEVELS`, weakest first:
+    - "checkpoint" (the default): every rank starts again from the latest committed checkpoint;
+      the steps since it are redone.
+    - "just_in_time": first, a surviving rank whose state is clean since the last report saves
+      that report round as a checkpoint (the run's TrainState tracks it: see
+      `unbroken.worker.jit`); at most the step in flight is redone.
+    - "in_place": the surviving ranks keep their processes, only the failed ranks are started
+      again, and the state of the last complete report goes from a survivor to every rank
+      over the new process group instead of through storage (local and Ray engines; an
+      elastic run goes on without the ranks lost with their node: a shrink in place).
+      Whenever no survivor holds a clean state, the run falls back to the level below.
+    Each still counts as a failure against `max_failures`, and each ends bit for bit as the
+    run would have without the failure. With "in_place" and `hang_timeout_s`,
     torch.distributed's collective timeout becomes half as long again
     (`collective_timeout_s`), so that ranks blocked in a collective with a machine that
-    vanished (its connections stay open) are released, and stay.
+    vanished (its connections stay open) are released, and stay. `recover_in_place=True` is
+    the older spelling of `recovery="in_place"` (deprecated).
     """
 
     max_failures: int = 0
     fail_fast: bool | str = False
     hang_timeout_s: float | None = None
+    recovery: str = "checkpoint"
     recover_in_place: bool = False
     controller_failure_limit: int = -1
     max_preemption_failures: int = -1
@@ -163,6 +177,18 @@ class FailureConfig:
                              f"{self.fail_fast!r}")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:
             raise ValueError(f"FailureConfig.hang_timeout_s must be None or > 0, got {self.hang_timeout_s!r}")
+        if self.recovery not in RECOVERY_LEVELS:
+            levels = ", ".join(map(repr, RECOVERY_LEVELS))
+            raise ValueError(f"FailureConfig.recovery must be one of {levels}, got {self.recovery!r}. "
+                             "Hint: recovery='in_place' recovers a failed rank without redoing a step")
+        if self.recover_in_place and self.recovery != "in_place":
+            warnings.warn("FailureConfig(recover_in_place=True) is deprecated; it means "
+                          "FailureConfig(recovery='in_place')", DeprecationWarning, stacklevel=3)
+            self.recovery = "in_place"
+
+    def recovers(self, level: str) -> bool:
+        """Whether this run's recovery is at least `level` (one of `RECOVERY_LEVELS`)."""
+        return RECOVERY_LEVELS.index(self.recovery) >= RECOVERY_LEVELS.index(level)
 
     @property
     def collective_timeout_s(self) -> float | None:
@@ -171,7 +197,7 @@ class FailureConfig:
         the hang bound. A rank waiting that long is hung by the run's own rule, and its error
         lets it offer its state and stay; the margin lets the driver's hang check come first,
         which can tell a frozen rank from the ones waiting on it and kill it alone."""
-        if self.hang_timeout_s is None or not self.recover_in_place:
+        if self.hang_timeout_s is None or not self.recovers("in_place"):
             return None
         return 1.5 * self.hang_timeout_s
 

@@ -3,7 +3,7 @@
 start on the ranks that are still alive, from the state of the last complete round that one
 of them holds, and tell them to stay.
 
-Possible when the run asks for it (`FailureConfig(recover_in_place=True)`), the engine can
+Possible when the run asks for it (`FailureConfig(recovery="in_place")`), the engine can
 start single ranks again (`WorkerGroup.can_rejoin`; on Ray a lost node's rank starts again
 in its bundle, which Ray places on another node), and the ranks' TrainState is armed for
 just-in-time checkpoints. An elastic run does not wait for a lost node's ranks to be placed
@@ -75,7 +75,7 @@ def allowed(failure_config: FailureConfig, group: Any, retried: bool) -> bool:
     """Whether the failure of an attempt may be recovered in place: the run asks for it, its
     engine can start single ranks again (a lost node's ranks too: on Ray, in their bundles,
     which Ray places on another node), and the failure policy would retry it."""
-    return failure_config.recover_in_place and getattr(group, "can_rejoin", False) and retried
+    return failure_config.recovers("in_place") and getattr(group, "can_rejoin", False) and retried
 
 
 # How long past the collective timeout a survivor released by it may take to offer.

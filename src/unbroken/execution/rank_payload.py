@@ -39,7 +39,7 @@ def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool
         node_address=placement.node_address, probe=probe, env=faults.carried_env(), validates=validates,
         peer_source=peer[0] if peer is not None else None,
         collective_timeout_s=trainer.run_config.failure_config.collective_timeout_s,
-        run_seed=run_seed(run.manifest.run_id),
+        run_seed=run_seed(run.manifest.run_id), recovery=trainer.run_config.failure_config.recovery,
         **(dataclasses.asdict(trial) if trial is not None else {}))  # trial_name, trial_id, trial_dir
     info.env.update(trainer.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
     return WorkerPayload(info=info, trainer=trainer)

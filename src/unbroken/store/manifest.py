@@ -69,7 +69,7 @@ class Attempt:
     # it has: {"reason": "node lost", "capacity": 2, "previous": 3}; reasons: "start", "rank lost",
     # "node lost", "failure", "capacity returned". Only in run.json for elastic runs.
     elastic: dict[str, Any] | None = None
-    # When this attempt recovered in place (FailureConfig(recover_in_place=True)): the round it
+    # When this attempt recovered in place (FailureConfig(recovery="in_place")): the round it
     # resumed from, the rank that sent its state, the ranks that kept their processes and those
     # started again: {"iteration": 6, "source": 0, "kept": [0], "replaced": [1]}. Only in
     # run.json when there is one; `resumed_from` is then None (nothing was read from storage).

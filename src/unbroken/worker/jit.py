@@ -2,8 +2,9 @@
 completed report round, so that the next attempt resumes there instead of at the last
 periodic checkpoint.
 
-Opt-in: `TrainState(..., jit_checkpoint=True)` (with `step_seed=1234`, the step streams
-below are seeded from it; without, from the run's own seed, `worker_info.run_seed`).
+On in a run with `FailureConfig(recovery="just_in_time")` or `"in_place"`, or with
+`TrainState(..., jit_checkpoint=True)` (with `step_seed=1234`, the step streams below are
+seeded from it; without, from the run's own seed, `worker_info.run_seed`).
 Data-parallel training keeps a replica of the model and optimizer on every rank, so any
 rank that is still alive holds the state a checkpoint of report k would hold, provided
 nothing has changed it since report k:
@@ -94,18 +95,28 @@ def _copy(value: Any) -> Any:
     return value
 
 
-def step_seed_of(step_seed: Any, jit_checkpoint: Any) -> int | None:
-    """The seed of a TrainState's per-step random streams: `step_seed` (checked), or, for
-    `jit_checkpoint=True` without one, the run's own (`worker_info.run_seed`: a rank that dies
-    takes its random state with it, so a just-in-time checkpoint is exact only when every
-    rank's draws after a report follow from (seed, rank, report)); None outside a run."""
-    if not isinstance(jit_checkpoint, bool):
+def armed(jit_checkpoint: Any) -> bool:
+    """Whether a TrainState tracks its state for just-in-time checkpoints: as
+    `jit_checkpoint` says, else (None) as the run's `FailureConfig.recovery` does
+    ("just_in_time" and "in_place"); never outside a run."""
+    if jit_checkpoint is not None and not isinstance(jit_checkpoint, bool):
         raise TypeError(f"TrainState(jit_checkpoint=...) takes a bool, got {type(jit_checkpoint).__name__}")
+    session = session_mod.active()
+    if session is None or jit_checkpoint is False:
+        return False
+    return jit_checkpoint or session.info.recovery in ("just_in_time", "in_place")
+
+
+def step_seed_of(step_seed: Any, jit: bool) -> int | None:
+    """The seed of a TrainState's per-step random streams: `step_seed` (checked), or, for a
+    state armed for just-in-time checkpoints (`jit`) without one, the run's own
+    (`worker_info.run_seed`: a rank that dies takes its random state with it, so a
+    just-in-time checkpoint is exact only when every rank's draws after a report follow from
+    (seed, rank, report))."""
     if step_seed is not None and (isinstance(step_seed, bool) or not isinstance(step_seed, int)):
         raise TypeError(f"TrainState(step_seed=...) takes an int, got {type(step_seed).__name__}")
-    if jit_checkpoint and step_seed is None:
-        session = session_mod.active()
-        return session.info.run_seed if session is not None else None
+    if jit and step_seed is None:
+        return session_mod.current("TrainState").info.run_seed
     return step_seed
 
 

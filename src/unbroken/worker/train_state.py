@@ -85,14 +85,16 @@ class TrainState:
 
     `step_seed`: per-step random streams: after every report (and in `restore()`) each rank's
     generators are re-seeded from (step_seed, rank, report), so what a step draws does not
-    depend on any rank's earlier state. `jit_checkpoint=True`: when a rank fails, a surviving
-    rank saves the state of the last report as a checkpoint (`unbroken.worker.jit`); it needs
-    per-step streams, seeded from `step_seed` when given, else from the run's own seed (the
-    same in every attempt of the run; give `step_seed` to make separate runs draw alike).
+    depend on any rank's earlier state. `jit_checkpoint`: track the state so that, when a rank
+    fails, a surviving rank saves the state of the last report as a checkpoint
+    (`unbroken.worker.jit`); by default (None) as the run's `FailureConfig.recovery` says
+    ("just_in_time" or "in_place"). It needs per-step streams, seeded from `step_seed` when
+    given, else from the run's own seed (the same in every attempt of the run; give
+    `step_seed` to make separate runs draw alike).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-                 loader: Any = None, *, async_save: bool = False, jit_checkpoint: bool = False,
+                 loader: Any = None, *, async_save: bool = False, jit_checkpoint: bool | None = None,
                  step_seed: int | None = None, **extra: Any) -> None:
         if not isinstance(async_save, bool):
             raise TypeError(f"TrainState(async_save=...) takes a bool, got {type(async_save).__name__}. "
@@ -119,8 +121,9 @@ class TrainState:
             else:
                 self._check_plain(name, value)
                 self._values[name] = value
-        object.__setattr__(self, "_step_seed", jit_mod.step_seed_of(step_seed, jit_checkpoint))
-        if jit_checkpoint and self._step_seed is not None:
+        jit = jit_mod.armed(jit_checkpoint)
+        object.__setattr__(self, "_step_seed", jit_mod.step_seed_of(step_seed, jit))
+        if jit:
             jit_mod.arm(self, self._step_seed)
 
     @staticmethod
@@ -260,10 +263,10 @@ class TrainState:
         recover in place without leaving it: when a rank fails, the others keep everything
         the training function built (model, optimizer, loader, persistent loader workers) and
         redo the step from the state of the last report, bit for bit
-        (`FailureConfig(recover_in_place=True)`, `jit_checkpoint=True`, `loader` this state's
-        own). The code before the loop runs again only in a replacement rank, so it must make
-        no collectives of its own (`prepare_model`'s are taken care of). Otherwise it is a
-        plain loop (docs/exact-resume.md, "Recovering in place")."""
+        (`FailureConfig(recovery="in_place")`, `loader` this state's own). The code before
+        the loop runs again only in a replacement rank, so it must make no collectives of its
+        own (`prepare_model`'s are taken care of). Otherwise it is a plain loop
+        (docs/exact-resume.md, "Recovering in place")."""
         in_loop.for_each_batch(self, loader, step)
 
     def report(self, metrics: dict[str, Any], checkpoint: bool | Literal["auto"] = False) -> bool:

@@ -40,6 +40,7 @@ class WorkerInfo:
     peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
     collective_timeout_s: float | None = None  # FailureConfig.collective_timeout_s
     run_seed: int | None = None       # the run's own seed of per-step random streams (`run_seed`)
+    recovery: str = "checkpoint"      # FailureConfig.recovery: "just_in_time" and up arm TrainState
 
 
 def run_seed(run_id: str) -> int:
