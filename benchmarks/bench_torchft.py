@@ -169,8 +169,10 @@ def measure(setup: str, steps: int) -> float:
     """Rank 0's mean step time (ms) in one fresh process running `setup`."""
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-torchft-") as work:
         out = os.path.join(work, "out.json")
-        subprocess.run([sys.executable, "-W", "ignore", __file__, setup, str(steps), out, work],
-                       check=True, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-W", "ignore", __file__, setup, str(steps), out, work],
+                              capture_output=True, text=True)
+        if not os.path.exists(out):  # gloo sometimes aborts a rank at exit, after the timing is written
+            raise RuntimeError(f"{setup} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return json.load(open(out))["step_ms"]
 
 
