@@ -24,10 +24,9 @@ from unbroken.cli import commands as cli
 from unbroken.execution.jit_coordinator import OFFER_WAIT_S, Coordinator
 from unbroken.state.state_file import capture_rng, restore_rng
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
-from unbroken.train.torch import TorchTrainer, TrainState
+from unbroken.train.torch import TorchTrainer, TrainState, prepare_model
 from unbroken.worker.jit import seed_step
 from unbroken.worker.protocol import JitArmed, JitOffer, JitSaved
-from unbroken.worker.worker_info import run_seed
 
 STEP = 6  # the report the failures follow
 PERIODIC = 4  # the periodic checkpoint before it
@@ -108,15 +107,55 @@ def test_a_survivor_that_never_offers_is_not_waited_for(storage, jit_reference):
     assert_same_run(result, jit_reference, "rank 0 hung after report 6")
 
 
-def test_without_a_step_seed_the_run_s_own_seed_keeps_the_recovery_exact(storage):
-    # No step_seed: the streams are seeded from the run's own seed, the same in every attempt,
-    # so the run still ends as the uninterrupted run seeded with that seed.
+def test_without_a_step_seed_each_rank_s_own_seed_keeps_the_recovery_exact(storage):
+    # No step_seed: each rank's streams are seeded from its torch seed as the loop set it
+    # (exact_loop seeds rank r with 100 + r), recorded in run.json; a separate run seeded
+    # alike draws alike, so the recovered run ends as the uninterrupted one.
     result = fit(storage, "jit-own-seed", step_seed=None, die_after_report=[[STEP, 1, 1, "sigkill"]])
     first, second = attempts(result)
     assert first["jit_checkpoint"]["iteration"] == STEP and second["resumed_iteration"] == STEP, first
-    seed = run_seed(json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["run_id"])
-    reference = fit(storage, "jit-seeded-reference", max_failures=0, step_seed=seed)
-    assert_same_run(result, reference, "seeded from the run's own seed")
+    assert json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["step_seeds"] == [100, 101]
+    reference = fit(storage, "jit-own-seed-reference", max_failures=0, step_seed=None)
+    assert_same_run(result, reference, "seeded by the loop, not by step_seed")
+
+
+def unseeded_loop(config: dict) -> None:
+    """A loop seeded from entropy (`torch.seed()`): each step draws one number first (rank
+    0's is reported); rank 0 is SIGKILLed after report 3 of the first attempt, and rank 1
+    saves round 3."""
+    ctx = train.get_context()
+    torch.seed()
+    model = prepare_model(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState(model=model, optimizer=opt, step=0)
+    state.restore()
+    while state.step < 6:
+        draw = torch.rand(1).item()
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        state.step += 1
+        state.report({"draw": draw})
+        if (state.step, ctx.get_attempt(), ctx.get_world_rank()) == (3, 1, 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_rank_started_again_draws_from_the_seed_the_run_recorded_for_it(storage):
+    # The new process of rank 0 seeds itself anew from entropy; the run's recorded seed wins,
+    # so its draws after the resume are the ones the killed process would have made.
+    failures = FailureConfig(max_failures=1, recovery="just_in_time")
+    result = TorchTrainer(unseeded_loop, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="unseeded", storage_path=storage,
+                                               failure_config=failures)).fit()
+    first, second = attempts(result)
+    assert first["jit_checkpoint"]["iteration"] == 3 and second["resumed_iteration"] == 3, first
+    seed = json.load(open(os.path.join(result.path, ".unbroken", "run.json")))["step_seeds"][0]
+    rows = [json.loads(line) for line in open(os.path.join(result.path, "result.json"))]
+    want = []
+    for k in range(6):  # what rank 0 draws in step k + 1: its stream after report k
+        seed_step(seed, 0, k, {})
+        want.append(torch.rand(1).item())
+    assert [r["draw"] for r in rows if r["training_iteration"] <= 6][-6:] == want
 
 
 def sharded_loop(config: dict) -> None:
@@ -156,7 +195,6 @@ def test_a_step_seed_is_an_int_and_outside_a_run_nothing_is_armed():
     assert state._step_seed is None, "no run: no seed of its own, and nothing to arm"
     with pytest.raises(TypeError, match="step_seed"):
         TrainState(model=torch.nn.Linear(2, 1), step_seed=1.5)
-    assert run_seed("a") == run_seed("a") != run_seed("b") and 0 <= run_seed("a") < 2 ** 60
 
 
 def test_step_streams_are_a_function_of_seed_rank_and_report():

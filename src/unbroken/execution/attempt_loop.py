@@ -36,6 +36,7 @@ from unbroken.worker.protocol import (
     Done,
     Failed,
     Gather,
+    JitArmed,
     Rendezvous,
     Reply,
     Report,
@@ -163,6 +164,8 @@ class AttemptLoop:
                     group.send(each, reply)
         elif isinstance(message, JIT_MESSAGES):
             self.recovery.jit.take(group, rank, message)
+            if isinstance(message, JitArmed):
+                self.recovery.armed(self.num_workers)
         elif isinstance(message, Rendezvous):
             for other in range(1, self.num_workers):
                 group.send(other, message)

@@ -29,6 +29,7 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.armed: set[int] = set()
+        self.seeds: dict[int, int] = {}  # each armed rank's step seed
         self.offers: dict[int, JitOffer] = {}
         self.answered: set[int] = set()
         self.dead: set[int] = set()
@@ -41,6 +42,7 @@ class Coordinator:
         """A JIT message from `rank` (JitArmed, JitOffer, JitSaved)."""
         if isinstance(message, JitArmed):
             self.armed.add(rank)
+            self.seeds[rank] = message.step_seed
         elif isinstance(message, JitOffer):
             self.offers[rank] = message
             if message.iteration is None:
@@ -53,7 +55,7 @@ class Coordinator:
     def _answer(self, group: Any, rank: int, iteration: int | None) -> None:
         if rank not in self.answered:
             self.answered.add(rank)
-            group.send(rank, JitSave(iteration))
+            group.send(rank, JitSave(iteration, dict(self.seeds) if iteration is not None else None))
 
     def choose(self, group: Any, target: int | None, running: set[int]) -> None:
         """Pick the saver among the offers of checkpoint `target`, or release the offering

@@ -14,7 +14,7 @@ from unbroken.store.checkpoint import Checkpoint
 from unbroken.store.commit import Marker
 from unbroken.store.storage import split_run_url
 from unbroken.worker.runner import WorkerPayload
-from unbroken.worker.worker_info import WorkerInfo, run_seed
+from unbroken.worker.worker_info import WorkerInfo
 
 
 def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool, resume: Marker | None,
@@ -39,7 +39,15 @@ def rank_payload(run: Run, trainer: Any, scaling: ScalingConfig, validates: bool
         node_address=placement.node_address, probe=probe, env=faults.carried_env(), validates=validates,
         peer_source=peer[0] if peer is not None else None,
         collective_timeout_s=trainer.run_config.failure_config.collective_timeout_s,
-        run_seed=run_seed(run.manifest.run_id), recovery=trainer.run_config.failure_config.recovery,
+        step_seed=recorded_seed(run, placement.rank, scaling.num_workers),
+        recovery=trainer.run_config.failure_config.recovery,
         **(dataclasses.asdict(trial) if trial is not None else {}))  # trial_name, trial_id, trial_dir
     info.env.update(trainer.run_config.worker_env())  # RunConfig(worker_runtime_env={"env_vars": ...})
     return WorkerPayload(info=info, trainer=trainer)
+
+
+def recorded_seed(run: Run, rank: int, world_size: int) -> int | None:
+    """Rank `rank`'s step seed as the run recorded it (run.json's `step_seeds`), when the run
+    had this many ranks then."""
+    seeds = run.manifest.step_seeds
+    return seeds[rank] if seeds is not None and len(seeds) == world_size else None

@@ -98,6 +98,15 @@ class Recovery:
             self._cold = False
             group.warm_up()
 
+    def armed(self, num_workers: int) -> None:
+        """A rank said its TrainState is armed: once every rank has, record their step seeds
+        in the run (`RunManifest.step_seeds`), where they changed, for the later attempts (a
+        rank started again draws as the one it replaces)."""
+        seeds = [self.jit.seeds.get(rank) for rank in range(num_workers)]
+        if None not in seeds and seeds != self.run.manifest.step_seeds:
+            self.run.manifest.step_seeds = seeds
+            self.run.save_manifest()
+
     def may_stay(self, group: WorkerGroup) -> bool:
         return in_place.allowed(self.config, group, self.policy.can_retry())
 

@@ -135,10 +135,15 @@ class RunManifest(Manifest):
     latest_checkpoint: str | None = None
     best_checkpoints: list[str] = field(default_factory=list)
     run_id: str = field(default_factory=new_id)
+    # Each rank's seed of its TrainState's per-step random streams, as the ranks armed for
+    # just-in-time checkpoints said: later attempts of the same size keep them.
+    step_seeds: list[int] | None = None
     schema_version: int = field(default=SCHEMA_VERSION, kw_only=True)
 
     def to_bytes(self) -> bytes:
         raw = self.to_dict()
+        if raw["step_seeds"] is None:
+            del raw["step_seeds"]
         for attempt in raw["attempts"]:
             for optional in OPTIONAL_FIELDS:
                 if attempt[optional] is None:

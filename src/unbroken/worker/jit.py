@@ -3,8 +3,10 @@ completed report round, so that the next attempt resumes there instead of at the
 periodic checkpoint.
 
 On in a run with `FailureConfig(recovery="just_in_time")` or `"in_place"`, or with
-`TrainState(..., jit_checkpoint=True)` (with `step_seed=1234`, the step streams below are
-seeded from it; without, from the run's own seed, `worker_info.run_seed`).
+`TrainState(..., jit_checkpoint=True)`. The step streams below are seeded from
+`step_seed=1234` when given, else from each rank's own seed (`step_seed_of`), which the
+driver records in run.json (`step_seeds`) for the run's later attempts and passes to the
+saver.
 Data-parallel training keeps a replica of the model and optimizer on every rank, so any
 rank that is still alive holds the state a checkpoint of report k would hold, provided
 nothing has changed it since report k:
@@ -109,14 +111,17 @@ def armed(jit_checkpoint: Any) -> bool:
 
 def step_seed_of(step_seed: Any, jit: bool) -> int | None:
     """The seed of a TrainState's per-step random streams: `step_seed` (checked), or, for a
-    state armed for just-in-time checkpoints (`jit`) without one, the run's own
-    (`worker_info.run_seed`: a rank that dies takes its random state with it, so a
-    just-in-time checkpoint is exact only when every rank's draws after a report follow from
-    (seed, rank, report))."""
+    state armed for just-in-time checkpoints (`jit`) without one, this rank's own: the one
+    the run recorded for it (`WorkerInfo.step_seed`, from an earlier attempt's `JitArmed`),
+    else its torch seed as the loop left it (`torch.initial_seed()`: what the loop's own
+    seeding chose, so runs seeded alike draw alike). A rank that dies takes its random state
+    with it, so a just-in-time checkpoint is exact only when every rank's draws after a
+    report follow from (its seed, rank, report)."""
     if step_seed is not None and (isinstance(step_seed, bool) or not isinstance(step_seed, int)):
         raise TypeError(f"TrainState(step_seed=...) takes an int, got {type(step_seed).__name__}")
     if jit and step_seed is None:
-        return session_mod.current("TrainState").info.run_seed
+        recorded = session_mod.current("TrainState").info.step_seed
+        return recorded if recorded is not None else torch.initial_seed()
     return step_seed
 
 
@@ -228,7 +233,7 @@ def arm(state: TrainState, step_seed: int) -> None:
     first = session.jit is None
     session.track(Tracker(state, step_seed, session.info.world_rank))
     if first:
-        session.send(JitArmed())
+        session.send(JitArmed(step_seed))
 
 
 def offer(session: Session) -> bool:
@@ -257,7 +262,7 @@ def save_if_asked(session: Session) -> Stay | None:
     if message.iteration is None or session.jit is None:
         return None
     try:
-        files = save(session, session.jit, message.iteration)
+        files = save(session, session.jit, message.iteration, message.seeds or {})
     except Exception as e:  # noqa: BLE001 - the driver falls back and says why
         session.send(JitSaved(message.iteration, None, f"{type(e).__name__}: {e}"))
         return None
@@ -265,16 +270,16 @@ def save_if_asked(session: Session) -> Stay | None:
     return None
 
 
-def save(session: Session, tracker: Tracker, iteration: int) -> list[FileEntry]:
-    """Stage checkpoint `iteration` from this rank: every rank's random state, then
-    `train_state.pt`. Returns the files staged."""
+def save(session: Session, tracker: Tracker, iteration: int, seeds: dict[int, int]) -> list[FileEntry]:
+    """Stage checkpoint `iteration` from this rank: every rank's random state (from its step
+    seed in `seeds`, else this rank's), then `train_state.pt`. Returns the files staged."""
     info = session.info
     staging = staging_name(iteration, info.attempt, info.storage)
     with tempfile.TemporaryDirectory(prefix="unbroken-jit-") as d:
         rng_dir, state_dir = os.path.join(d, "rng"), os.path.join(d, "state")
         os.makedirs(rng_dir)
         os.makedirs(state_dir)
-        _write_rng_files(rng_dir, tracker, iteration, info.world_size)
+        _write_rng_files(rng_dir, tracker, iteration, info.world_size, seeds)
         guard = session.check_attempt
         files = write_rank_files(info.storage, staging, rng_dir, info.world_rank, guard=guard)
         faults.point("during_jit_save")
@@ -283,13 +288,14 @@ def save(session: Session, tracker: Tracker, iteration: int) -> list[FileEntry]:
     return files
 
 
-def _write_rng_files(directory: str, tracker: Tracker, iteration: int, world_size: int) -> None:
+def _write_rng_files(directory: str, tracker: Tracker, iteration: int, world_size: int,
+                     seeds: dict[int, int]) -> None:
     """Each rank's generators as its stream after report `iteration` left them."""
     generators = tracker.state._generators
     mine = capture_rng(generators)
     try:
         for rank in range(world_size):
-            seed_step(tracker.step_seed, rank, iteration, generators)
+            seed_step(seeds.get(rank, tracker.step_seed), rank, iteration, generators)
             write_files(directory, rank, None, capture_rng(generators))
     finally:
         restore_rng(mine)

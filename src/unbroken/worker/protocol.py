@@ -120,7 +120,10 @@ class Validated:
 
 @dataclass(slots=True)
 class JitArmed:
-    """This rank's TrainState can save a just-in-time checkpoint (see `jit_checkpoint`)."""
+    """This rank's TrainState can save a just-in-time checkpoint (see `jit_checkpoint`);
+    `step_seed`: the seed of its per-step random streams."""
+
+    step_seed: int = 0
 
 
 @dataclass(slots=True)
@@ -134,9 +137,11 @@ class JitOffer:
 
 @dataclass(slots=True)
 class JitSave:
-    """The driver's word to a rank that offered: save checkpoint `iteration` (None: do not)."""
+    """The driver's word to a rank that offered: save checkpoint `iteration` (None: do not);
+    `seeds`: every rank's step seed (from their `JitArmed`), for their random states."""
 
     iteration: int | None
+    seeds: dict[int, int] | None = None
 
 
 @dataclass(slots=True)

@@ -89,8 +89,8 @@ class TrainState:
     fails, a surviving rank saves the state of the last report as a checkpoint
     (`unbroken.worker.jit`); by default (None) as the run's `FailureConfig.recovery` says
     ("just_in_time" or "in_place"). It needs per-step streams, seeded from `step_seed` when
-    given, else from the run's own seed (the same in every attempt of the run; give
-    `step_seed` to make separate runs draw alike).
+    given, else from each rank's own seed (`jit.step_seed_of`: its torch seed as the loop
+    left it, recorded by the run for its later attempts).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,

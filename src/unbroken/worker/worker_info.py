@@ -4,7 +4,6 @@ the options of the run that the rank acts on)."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 from unbroken.store.checkpoint import Checkpoint
@@ -39,12 +38,5 @@ class WorkerInfo:
     validates: bool = False           # the trainer has a ValidationConfig: validations get done
     peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
     collective_timeout_s: float | None = None  # FailureConfig.collective_timeout_s
-    run_seed: int | None = None       # the run's own seed of per-step random streams (`run_seed`)
+    step_seed: int | None = None      # this rank's step seed as the run recorded it (`jit.step_seed_of`)
     recovery: str = "checkpoint"      # FailureConfig.recovery: "just_in_time" and up arm TrainState
-
-
-def run_seed(run_id: str) -> int:
-    """The seed of a run's per-step random streams when its TrainState gives no `step_seed`:
-    derived from the run's id, so it is the same in every attempt and every process of the
-    run (and differs between runs)."""
-    return int(hashlib.sha256(f"step streams {run_id}".encode()).hexdigest()[:15], 16)
