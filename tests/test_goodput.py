@@ -91,8 +91,8 @@ def test_runs_written_before_fits_were_recorded_still_add_up():
 
 
 # A real run on 2 workers: 12 steps of 0.1 s, a checkpoint every 4 whose save blocks 0.3 s,
-# rank 1 raising before report 6 of attempt 1 (attempt 2 resumes from checkpoint 4, so row 5
-# is redone). Tolerance: each figure within what the process adds to the injected time.
+# rank 1 raising before report 6 of attempt 1 (recovery="checkpoint": attempt 2 resumes from
+# checkpoint 4, so row 5 is redone). Tolerance: each figure within what the process adds to the injected time.
 STEP_S, SAVE_S, TOLERANCE_S = 0.1, 0.3, 0.35
 
 
@@ -101,7 +101,8 @@ def test_a_real_run_s_breakdown_matches_the_injected_steps_saves_and_failure(tmp
     began = time.time()
     result = TorchTrainer(timed_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
                           run_config=RunConfig(name="timed", storage_path=str(tmp_path), verbose=0,
-                                               failure_config=FailureConfig(max_failures=1))).fit()
+                                               failure_config=FailureConfig(max_failures=1,
+                                                                            recovery="checkpoint"))).fit()
     wall = time.time() - began
     spent = Result.from_path(result.path).time_spent()
     seconds = spent.seconds

@@ -87,7 +87,9 @@ def test_recovery_is_one_of_its_levels_and_the_older_spelling_still_works():
         old = FailureConfig(recover_in_place=True, hang_timeout_s=10)
     assert old.recovery == "in_place" and old.collective_timeout_s == 15
     assert FailureConfig(recovery="just_in_time", hang_timeout_s=10).collective_timeout_s is None
-    assert FailureConfig().recovers("checkpoint") and not FailureConfig().recovers("just_in_time")
+    assert FailureConfig().recovery == "in_place", "the strongest by default"
+    weakest = FailureConfig(recovery="checkpoint")
+    assert weakest.recovers("checkpoint") and not weakest.recovers("just_in_time")
 
 
 def test_an_elastic_run_on_this_machine_replaces_a_killed_rank_in_place(storage, reference, tmp_path):

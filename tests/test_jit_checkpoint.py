@@ -35,8 +35,8 @@ PERIODIC = 4  # the periodic checkpoint before it
 def fit(storage, name, max_failures=1, **config):
     return TorchTrainer(exact_loop, train_loop_config={**BASE, "jit": True, **config},
                         scaling_config=ScalingConfig(num_workers=2),
-                        run_config=RunConfig(name=name, storage_path=storage,
-                                             failure_config=FailureConfig(max_failures=max_failures))).fit()
+                        run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(
+                            max_failures=max_failures, recovery="just_in_time"))).fit()
 
 
 def attempts(result) -> list[dict]:

@@ -41,8 +41,8 @@ def runs(tmp_path_factory):
     return str(tmp_path_factory.mktemp("stream-runs"))
 
 
-def fit(storage, name, data_dir, workers=2, max_failures=0, recovery="checkpoint", **config):
-    failure = FailureConfig(max_failures=max_failures, recovery=recovery,
+def fit(storage, name, data_dir, workers=2, max_failures=0, recovery=None, **config):
+    failure = FailureConfig(max_failures=max_failures, **({"recovery": recovery} if recovery else {}),
                             **({"hang_timeout_s": 20} if recovery == "in_place" else {}))
     return TorchTrainer(stream_loop, train_loop_config={"data_dir": data_dir, **config},
                         scaling_config=ScalingConfig(num_workers=workers),
@@ -127,7 +127,7 @@ def test_a_just_in_time_checkpoint_replays_each_ranks_pass_exactly(storage, runs
     # 5 with the counts every rank shares, and no rank's own library state: the resume replays.
     kind = "torchdata-map"
     result = fit(storage, f"jit-{rank}", data_dir, kind=kind, jit=True, max_failures=1,
-                 die_after_report=[[5, 1, rank, "raise"]])
+                 recovery="just_in_time", die_after_report=[[5, 1, rank, "raise"]])
     first, second = attempts(result)
     assert first["jit_checkpoint"]["iteration"] == 5, first
     assert second["resumed_from"] == "checkpoint_000005"

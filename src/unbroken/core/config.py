@@ -140,9 +140,9 @@ class FailureConfig:
     in a sweep, a trial's error also ends the sweep (`"raise"`: and fit() raises it), as in Tune.
 
     `recovery`: how a run whose loop keeps its state in a `TrainState` recovers from a failed
-    rank, one of `RECOVERY_LEVELS`, weakest first:
-    - "checkpoint" (the default): every rank starts again from the latest committed checkpoint;
-      the steps since it are redone.
+    rank, one of `RECOVERY_LEVELS`, weakest first ("in_place", the strongest, by default):
+    - "checkpoint": every rank starts again from the latest committed checkpoint; the steps
+      since it are redone (a loop without a TrainState always recovers so).
     - "just_in_time": first, a surviving rank whose state is clean since the last report saves
       that report round as a checkpoint (the run's TrainState tracks it: see
       `unbroken.worker.jit`); at most the step in flight is redone.
@@ -150,7 +150,8 @@ class FailureConfig:
       again, and the state of the last complete report goes from a survivor to every rank
       over the new process group instead of through storage (local and Ray engines; an
       elastic run goes on without the ranks lost with their node: a shrink in place).
-      Whenever no survivor holds a clean state, the run falls back to the level below.
+      Whenever no survivor holds a clean state, the run falls back to the level below (the
+      default).
     Each still counts as a failure against `max_failures`, and each ends bit for bit as the
     run would have without the failure. With "in_place" and `hang_timeout_s`,
     torch.distributed's collective timeout becomes half as long again
@@ -162,7 +163,7 @@ class FailureConfig:
     max_failures: int = 0
     fail_fast: bool | str = False
     hang_timeout_s: float | None = None
-    recovery: str = "checkpoint"
+    recovery: str = "in_place"
     recover_in_place: bool = False
     controller_failure_limit: int = -1
     max_preemption_failures: int = -1
@@ -181,9 +182,9 @@ class FailureConfig:
             levels = ", ".join(map(repr, RECOVERY_LEVELS))
             raise ValueError(f"FailureConfig.recovery must be one of {levels}, got {self.recovery!r}. "
                              "Hint: recovery='in_place' recovers a failed rank without redoing a step")
-        if self.recover_in_place and self.recovery != "in_place":
-            warnings.warn("FailureConfig(recover_in_place=True) is deprecated; it means "
-                          "FailureConfig(recovery='in_place')", DeprecationWarning, stacklevel=3)
+        if self.recover_in_place:
+            warnings.warn("FailureConfig(recover_in_place=True) is deprecated: it means "
+                          "FailureConfig(recovery='in_place'), the default", DeprecationWarning, stacklevel=3)
             self.recovery = "in_place"
 
     def recovers(self, level: str) -> bool:
