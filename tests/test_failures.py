@@ -75,3 +75,46 @@ def test_killed_worker_without_retries_fails_the_run(storage):
 def test_unlimited_retries(storage):
     result = fit(storage, "unlimited", max_failures=-1, fail_at=(2, 1))
     assert result.metrics["training_iteration"] == 8
+
+
+def stuck_rank_loop(config: dict) -> None:
+    """Reports quickly; after report 3, rank 1 waits for ever outside any collective."""
+    import threading
+
+    from unbroken import train
+
+    for i in range(1, 10):
+        train.report({"i": i})
+        if i == 3 and train.get_context().get_world_rank() == 1:
+            threading.Event().wait()
+
+
+def test_the_automatic_hang_bound_follows_the_run_s_rounds(storage, monkeypatch):
+    # hang_timeout_s="auto" (the default): no bound before the second round, then 20 times
+    # the longest time between rounds, never under AUTO_HANG_MIN_S (30 min; 1 s here).
+    from unbroken.core import config as cfg
+
+    auto = FailureConfig()
+    assert auto.hang_timeout_s == "auto" and auto.hang_bound(None) is None
+    assert auto.hang_bound(0.01) == cfg.AUTO_HANG_MIN_S == 1800
+    assert auto.hang_bound(200.0) == 4000
+    assert FailureConfig(hang_timeout_s=5).hang_bound(200.0) == 5
+    assert FailureConfig(hang_timeout_s=None).hang_bound(200.0) is None
+    with pytest.raises(ValueError, match="hang_timeout_s must be None, 'auto' or > 0"):
+        FailureConfig(hang_timeout_s="soon")
+    monkeypatch.setattr(cfg, "AUTO_HANG_MIN_S", 1.0)
+    with pytest.raises(TrainingFailedError) as info:
+        TorchTrainer(stuck_rank_loop, scaling_config=ScalingConfig(num_workers=2),
+                     run_config=RunConfig(name="stuck", storage_path=storage)).fit()
+    assert "rank(s) [1] did not report iteration 4 within 1 s" in str(info.value)
+
+
+def test_round_gaps_keep_the_longest_time_between_two_rounds():
+    from unbroken.execution.attempt_loop import RoundGaps
+
+    gaps = RoundGaps()
+    gaps.completed(10.0)
+    assert gaps.longest is None, "one round: no gap yet"
+    for now in (10.5, 12.5, 13.0):
+        gaps.completed(now)
+    assert gaps.longest == 2.0

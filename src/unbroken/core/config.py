@@ -122,6 +122,11 @@ def _is_int(value: Any) -> bool:
 
 # FailureConfig.recovery's levels, weakest first.
 RECOVERY_LEVELS = ("checkpoint", "just_in_time", "in_place")
+# FailureConfig(hang_timeout_s="auto"): a multiple of the longest time between two report
+# rounds, never under half an hour (an evaluation or a large save between two reports must
+# not look like a hang).
+AUTO_HANG_FACTOR = 20.0
+AUTO_HANG_MIN_S = 1800.0
 
 
 @dataclass
@@ -131,6 +136,9 @@ class FailureConfig:
     `hang_timeout_s`: when no rank has reported for this long (counted from the attempt's
     start and from each report), the worker group is treated as hung (a deadlocked
     collective, a rank stuck in I/O) and handled like a worker failure. None: wait forever.
+    "auto" (the default): a bound that suits the run (`hang_bound`): none until the attempt
+    has completed two report rounds, then `AUTO_HANG_FACTOR` times the longest time between
+    two of its rounds so far, and never under `AUTO_HANG_MIN_S`.
 
     Ray Train V2's `controller_failure_limit` and `max_preemption_failures` (-1: unlimited,
     the default) are accepted so that V2 scripts run unchanged, and have no effect: the
@@ -153,7 +161,7 @@ class FailureConfig:
       Whenever no survivor holds a clean state, the run falls back to the level below (the
       default).
     Each still counts as a failure against `max_failures`, and each ends bit for bit as the
-    run would have without the failure. With "in_place" and `hang_timeout_s`,
+    run would have without the failure. With "in_place" and a `hang_timeout_s` in seconds,
     torch.distributed's collective timeout becomes half as long again
     (`collective_timeout_s`), so that ranks blocked in a collective with a machine that
     vanished (its connections stay open) are released, and stay. `recover_in_place=True` is
@@ -162,7 +170,7 @@ class FailureConfig:
 
     max_failures: int = 0
     fail_fast: bool | str = False
-    hang_timeout_s: float | None = None
+    hang_timeout_s: float | str | None = "auto"
     recovery: str = "in_place"
     recover_in_place: bool = False
     controller_failure_limit: int = -1
@@ -176,8 +184,10 @@ class FailureConfig:
         if self.fail_fast not in (True, False, "raise"):
             raise ValueError(f"FailureConfig.fail_fast must be True, False or 'raise', got "
                              f"{self.fail_fast!r}")
-        if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:
-            raise ValueError(f"FailureConfig.hang_timeout_s must be None or > 0, got {self.hang_timeout_s!r}")
+        if self.hang_timeout_s not in (None, "auto") and not (
+                isinstance(self.hang_timeout_s, (int, float)) and self.hang_timeout_s > 0):
+            raise ValueError(f"FailureConfig.hang_timeout_s must be None, 'auto' or > 0, got "
+                             f"{self.hang_timeout_s!r}. Hint: hang_timeout_s=None waits for ever")
         if self.recovery not in RECOVERY_LEVELS:
             levels = ", ".join(map(repr, RECOVERY_LEVELS))
             raise ValueError(f"FailureConfig.recovery must be one of {levels}, got {self.recovery!r}. "
@@ -186,6 +196,16 @@ class FailureConfig:
             warnings.warn("FailureConfig(recover_in_place=True) is deprecated: it means "
                           "FailureConfig(recovery='in_place'), the default", DeprecationWarning, stacklevel=3)
             self.recovery = "in_place"
+
+    def hang_bound(self, longest_round_s: float | None) -> float | None:
+        """How long the group may go without a message before it counts as hung, given the
+        longest time between two of the attempt's report rounds so far (None: fewer than two
+        rounds): `hang_timeout_s`, or for "auto" a multiple of that longest time."""
+        if self.hang_timeout_s != "auto":
+            return self.hang_timeout_s
+        if longest_round_s is None:
+            return None
+        return max(AUTO_HANG_MIN_S, AUTO_HANG_FACTOR * longest_round_s)
 
     def recovers(self, level: str) -> bool:
         """Whether this run's recovery is at least `level` (one of `RECOVERY_LEVELS`)."""
@@ -198,7 +218,7 @@ class FailureConfig:
         the hang bound. A rank waiting that long is hung by the run's own rule, and its error
         lets it offer its state and stay; the margin lets the driver's hang check come first,
         which can tell a frozen rank from the ones waiting on it and kill it alone."""
-        if self.hang_timeout_s is None or not self.recovers("in_place"):
+        if not isinstance(self.hang_timeout_s, (int, float)) or not self.recovers("in_place"):
             return None
         return 1.5 * self.hang_timeout_s
 

@@ -57,6 +57,21 @@ class StopNow(BaseException):
     """A second signal: stop the workers without waiting for anything."""
 
 
+class RoundGaps:
+    """The longest time between two of an attempt's completed report rounds (None before the
+    second one); times are passed in."""
+
+    def __init__(self) -> None:
+        self.longest: float | None = None
+        self._last: float | None = None
+
+    def completed(self, now: float) -> None:
+        if self._last is not None:
+            gap = now - self._last
+            self.longest = gap if self.longest is None else max(self.longest, gap)
+        self._last = now
+
+
 class AttemptLoop:
     """The driver's side of one attempt on `group` (`drive`). The controller's state is read
     with `state()` and changed only through `transition`."""
@@ -72,6 +87,7 @@ class AttemptLoop:
         self.rounds = ReportRounds(num_workers, last_heard=time.monotonic())
         self.collectives = CollectiveCalls(num_workers)
         self.failures: Failures = []  # (rank, its error or WorkerDied), in the order they happened
+        self.round_gaps = RoundGaps()  # for an automatic hang bound
 
     def drive(self) -> None:
         """Take messages until every rank is done; raise the attempt's failure, if any.
@@ -82,9 +98,9 @@ class AttemptLoop:
         self.reports.start_attempt()
         failed_at = 0.0
         signals = 0
-        hang_s = self.run_config.failure_config.hang_timeout_s
         try:
             while not rounds.all_done:
+                hang_s = self.run_config.failure_config.hang_bound(self.round_gaps.longest)
                 self.run.lease.beat()
                 signals = self._take_signals(signals)
                 if self.elastic is not None and isinstance(self.state(), states.Running) and not failures:
@@ -158,6 +174,7 @@ class AttemptLoop:
             done = self.reports.take(group, rounds, rank, message,
                                      self.num_workers if self.elastic is not None else None)
             if done is not None:
+                self.round_gaps.completed(time.monotonic())
                 self.recovery.warm_up_when_due(group)
                 reply = self._reply(done)
                 for each in range(self.num_workers):

@@ -97,6 +97,6 @@ class ReportRounds:
         error = WorkerHangError(
             f"the worker group looks hung: {what}. Hint: look for a collective or barrier that only "
             "some ranks reach; if an iteration legitimately takes longer, raise "
-            "FailureConfig(hang_timeout_s=...)", rank=None)
+            "FailureConfig(hang_timeout_s=...), or set it to None", rank=None)
         error.waiting = waiting  # the ranks the others waited for (Attempt.hang)
         return error
