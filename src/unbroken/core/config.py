@@ -158,8 +158,7 @@ class FailureConfig:
       again, and the state of the last complete report goes from a survivor to every rank
       over the new process group instead of through storage (local and Ray engines; an
       elastic run goes on without the ranks lost with their node: a shrink in place).
-      Whenever no survivor holds a clean state, the run falls back to the level below (the
-      default).
+      Whenever no survivor holds a clean state, the run falls back to the level below.
     Each still counts as a failure against `max_failures`, and each ends bit for bit as the
     run would have without the failure. With "in_place" and a `hang_timeout_s` in seconds,
     torch.distributed's collective timeout becomes half as long again
