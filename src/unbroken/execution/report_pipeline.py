@@ -37,7 +37,7 @@ from unbroken.worker.protocol import Committed, Reply, Report, Staged
 log = logging.getLogger("unbroken")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Round:
     """A round recorded: its row, whether it has (or will have) a checkpoint, whether the loop
     saves when asked (`auto`), and the verdict of `RunConfig.stop` on it (`attach`: the ranks
