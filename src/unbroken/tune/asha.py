@@ -138,7 +138,6 @@ def forget_trial(storage: Storage, trial: str) -> None:
     storage.remove(f"{STOPPED_DIR}/{trial}.json")
 
 
-
 class TrialStopper:
     """The `RunConfig.stop` of one trial: its own stop condition, then the scheduler's."""
 

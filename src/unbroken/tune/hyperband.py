@@ -95,8 +95,6 @@ class HyperBandScheduler:
         return n
 
 
-
-
 def rung_of(storage: Storage, trial: str) -> int:
     """The rung the trial runs towards now."""
     return (read_record(storage, f"{HB_DIR}/state/{trial}.json") or {"rung": 0})["rung"]

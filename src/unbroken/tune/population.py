@@ -50,8 +50,6 @@ PBT_DIR = f"{META_DIR}/pbt"
 LINEAGE = mf.PBT_LINEAGE  # in a trial's run directory
 
 
-
-
 def state(storage: Storage, trial: str, scheduler: PopulationBasedTraining) -> dict[str, Any]:
     """The trial's handled round, its next perturbation point and its config overrides."""
     return read_record(storage, f"{PBT_DIR}/state/{trial}.json") or {
