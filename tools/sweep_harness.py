@@ -9,7 +9,12 @@ is one of:
   - the fault point `before_trial_record` (`unbroken.core.faults`): the sweep driver is
     killed when a trial's process has ended and sweep.json does not say how yet, the n-th
     time for a random n; a trial that finished at its own stop, on a perturbation point,
-    then looks like a trial paused there.
+    then looks like a trial paused there;
+  - a trial's commit cut short: a trial process is frozen at `before_rename` of its n-th
+    checkpoint (its row recorded and naming the checkpoint, the marker written, the
+    directory not renamed into place), then the sweep driver is SIGKILLed, and the trial
+    with it. The row's checkpoint never committed, so the trial must redo that row rather
+    than the scheduler act on it (pause, judge or stop the trial there without it).
 The sweep is then run again by the same script (auto-resume by name) until it prints its
 result. With --hyperband, the sweep is a synchronous HyperBand one instead (9 trials in one
 bracket, judged at iterations 1 and 3, the best running to 9; no stop of their own): a kill
@@ -193,6 +198,8 @@ class SweepHarness:
                                       env=_env("before_attach_staged:1:kill::once", log))
                 out, code, how = proc.stdout, proc.returncode, "rank, at-end save"
                 self.counts["at-end saves killed"] += os.path.exists(log)
+            elif self.rng.random() < 0.25:
+                out, code, how = self._kill_inside_a_commit(name, launch, self.rng.randint(1, 2))
             elif self.rng.random() < 0.5:
                 fault = f"before_trial_record:{self.rng.randint(1, len(self.iterations))}:kill"
                 proc = subprocess.run(self._command(name), env=_env(fault), capture_output=True, text=True,
@@ -227,6 +234,26 @@ class SweepHarness:
         proc.wait()
         proc.stdout.close()
         return "".join(lines), proc.returncode, "after reports"
+
+    def _kill_inside_a_commit(self, name: str, launch: int, n: int) -> tuple[str, int, str]:
+        """Freeze the first trial process to reach its `n`-th `before_rename`, then SIGKILL
+        the sweep driver (its trials die with it). A sweep that ends first printed DONE."""
+        log = os.path.join(self.workdir, f"{name}-{launch}.commit")
+        proc = subprocess.Popen(self._command(name), env=_env(f"before_rename:{n}:stop", log),
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and not os.path.exists(log) and time.monotonic() < deadline:
+            time.sleep(0.005)  # polls for the frozen commit; the log appears before the freeze
+        proc.kill()
+        out = proc.communicate()[0]
+        if os.path.exists(log):
+            self.counts["commits cut short"] += 1
+            for line in open(log).read().splitlines():
+                try:
+                    os.kill(int(line.split()[1]), 9)  # normally gone with the driver already
+                except ProcessLookupError:
+                    pass
+        return out, proc.returncode, "inside a trial's commit"
 
     def _check_end(self, path: str, done: str, where: str) -> None:
         if done != self.done:

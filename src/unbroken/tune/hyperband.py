@@ -30,12 +30,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from unbroken.core.config import stop_due_at, stop_met, stop_met_at_resume
-from unbroken.store import history
 from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
-from unbroken.tune.records import finite_number, read_record
+from unbroken.tune.records import finite_number, last_kept_row, read_record
 
 HB_DIR = f"{META_DIR}/hyperband"
 
@@ -209,12 +208,12 @@ class Bands:
 
     def catch_up(self, trial: str, user_stop: Any = None) -> None:
         """A trial whose driver died after recording the row at its milestone and before the
-        pause: record the pause now (as `population.Population.catch_up` does)."""
+        pause: record the pause now (as `population.Population.catch_up` does), unless the
+        row's checkpoint did not commit: then the trial redoes the row, and pauses then."""
         run = self.storage.child(trial)
         if self.pending(trial) is not None or stopped(self.storage, trial) or not mf.is_run_dir(run):
             return
-        rows = history.timeline(history.read_rows(run))
-        last = rows[-1] if rows else {}
+        last = last_kept_row(run)
         t = last.get(self.scheduler.time_attr)
         s, rung = self.scheduler.bracket_of(self._index(trial))[1], rung_of(self.storage, trial)
         if finite_number(t) and self.scheduler.milestone(s, rung) <= t < self.scheduler.max_t and \

@@ -36,7 +36,7 @@ from typing import Any
 from unbroken.core import faults
 from unbroken.core.config import stop_due_at, stop_met, stop_met_at_resume
 from unbroken.errors import TornCheckpointError
-from unbroken.store import commit, history
+from unbroken.store import commit
 from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.commit import Marker
@@ -44,7 +44,7 @@ from unbroken.store.manifest import META_DIR
 from unbroken.store.storage import Storage
 from unbroken.tune import pbt
 from unbroken.tune.pbt import PopulationBasedTraining
-from unbroken.tune.records import finite_number, read_record
+from unbroken.tune.records import finite_number, last_kept_row, read_record
 
 PBT_DIR = f"{META_DIR}/pbt"
 LINEAGE = mf.PBT_LINEAGE  # in a trial's run directory
@@ -163,15 +163,10 @@ class Population:
         st, run = state(self.storage, trial, self.scheduler), self.storage.child(trial)
         if self.pending(trial) is not None or not mf.is_run_dir(run):
             return
-        rows = history.timeline(history.read_rows(run))
-        last = rows[-1] if rows else {}
+        last = last_kept_row(run)  # a row whose checkpoint did not commit is redone, and pauses then
         t, name = last.get(self.scheduler.time_attr), last.get("checkpoint_dir_name")
         if not (finite_number(t) and t >= st["next"] and name) or stop_met(user_stop, last):
             return
-        try:
-            commit.read_marker(run, name)
-        except TornCheckpointError:
-            return  # not committed: the trial redoes the row, and pauses then
         record_pause(self.storage, trial, st["round"] + 1, last, self.metric, t)
 
     def forget(self, trial: str) -> None:
