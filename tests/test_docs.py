@@ -27,7 +27,7 @@ from conftest import driver_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
-                               for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+                               for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
 MARKER = re.compile(r"<!-- doc-test: (run|continues|then|skip: (?P<why>.+?)) -->")
 FENCE = re.compile(r"^\s*```python\s*$")
 
