@@ -70,7 +70,7 @@ def check_resumed_like(result, reference, columns: list[str], steps_per_iteratio
     assert list(df["training_iteration"]) == list(range(1, len(reference.metrics_dataframe) + 1))
     assert list(df["step"]) == list(reference.metrics_dataframe["step"]), "each step reported once"
     attempts = run_json(result.path)["attempts"]
-    assert len(attempts) == 2 and attempts[0]["status"] in ("ERRORED", "ABORTED", "INTERRUPTED")
+    assert len(attempts) == 2 and attempts[0]["status"] in ("ERRORED", "ABORTED", "INTERRUPTED", "PREEMPTED")
     resumed = attempts[1]["resumed_iteration"]
     assert resumed >= 1 and attempts[1]["resumed_from"] == f"checkpoint_{resumed:06d}"
     assert list(df["attempt"]) == [1] * resumed + [2] * (len(df) - resumed)

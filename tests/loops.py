@@ -254,9 +254,10 @@ def exact_loop(config: dict) -> None:
     die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|sigstop|hang) striking
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
     its process id to rank<r>-a<attempt> there. `deterministic`: deterministic algorithms only.
-    `step_s`: seconds each step takes longer. `in_loop`: the loop is TrainState.for_each_batch,
-    and `pid_dir` also gets each step's process and objects (`steps_run`). `prologue_barrier`: a
-    barrier before the loop.
+    `step_s`: seconds each step takes longer; `slow_after=[step, attempt, seconds]`: every rank
+    then sleeps that long after that step's report (rank 0 prints "SLOW n" first). `in_loop`:
+    the loop is TrainState.for_each_batch, and `pid_dir` also gets each step's process and
+    objects (`steps_run`). `prologue_barrier`: a barrier before the loop.
     """
     from unbroken.train.torch import TrainState, prepare_data_loader
 
@@ -319,6 +320,10 @@ def exact_loop(config: dict) -> None:
                 threading.Event().wait() if mode == "hang" else _die(mode, at)
         if config.get("echo") and rank == 0:
             print(f"STEP {state.step}", flush=True)
+        if config.get("slow_after", [0, 0])[:2] == [state.step, ctx.get_attempt()]:
+            if rank == 0:
+                print(f"SLOW {state.step}", flush=True)
+            time.sleep(config["slow_after"][2])
         time.sleep(config.get("step_s", 0))  # a slower step: the run is still going when a node returns
 
     if config.get("prologue_barrier") and world > 1:  # a collective of its own before the loop

@@ -190,7 +190,7 @@ def test_a_second_signal_while_the_first_is_being_logged_stops_at_once(storage):
 
     class SecondSignal(logging.Handler):
         def emit(self, record):
-            if "SIGTERM received" in record.getMessage():
+            if "preemption notice (SIGTERM)" in record.getMessage():
                 os.kill(os.getpid(), signals.SIGTERM)
 
     handler = SecondSignal()

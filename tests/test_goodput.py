@@ -50,9 +50,10 @@ def test_a_failed_and_restarted_fit_is_cut_into_each_kind_exactly():
     time_spent = gp.of_run(attempts, rows)
     assert time_spent.seconds == pytest.approx({
         gp.PRODUCTIVE: 3.75 + 4.0, gp.CHECKPOINT: 0.25, gp.STARTUP: 2.0 + 0.5, gp.REDONE: 1.0,
-        gp.RECOVERY: 0.5 + 0.5 + 0.5, gp.WAITING: 0.5, gp.OTHER: 0.5})
+        gp.RECOVERY: 0.5 + 0.5 + 0.5, gp.WAITING: 0.5, gp.PREEMPTION: 0.0, gp.OTHER: 0.5})
     assert time_spent.wall_s == pytest.approx(14.0) and time_spent.goodput == pytest.approx(7.75 / 14)
     assert time_spent.by_attempt[2][gp.RECOVERY] == pytest.approx(1.0), "the gap and the set-up before row 5"
+
     segments = time_spent.segments
     assert all(a.end == pytest.approx(b.start) for a, b in zip(segments, segments[1:], strict=False)), \
         "the segments tile the wall time, in order"
@@ -61,6 +62,12 @@ def test_a_failed_and_restarted_fit_is_cut_into_each_kind_exactly():
     attempts[0]["checkpoint_stalls"] = {"4": 0.25}
     rows[3] = row(1, 4, 106.5, 1.0)
     assert gp.of_run(attempts, rows).seconds == pytest.approx(time_spent.seconds)
+
+    # Stopped by a preemption notice instead: the time from its last row to its end is preemption.
+    attempts[0].update(status="PREEMPTED", preempted={"source": "SIGTERM"})
+    preempted = gp.of_run(attempts, rows)
+    assert preempted.by_attempt[1][gp.PREEMPTION] == pytest.approx(0.5)
+    assert preempted.by_attempt[1][gp.RECOVERY] == 0.0
 
 
 def test_a_killed_driver_s_attempt_ends_at_its_last_row_and_the_time_without_a_driver_is_apart():

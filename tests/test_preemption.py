@@ -60,7 +60,14 @@ def test_signal_checkpoints_stops_and_restores_without_losing_iterations(storage
 
     run = manifest(path)
     assert run["status"] == "INTERRUPTED"
-    assert run["attempts"][0]["status"] == "INTERRUPTED", "workers must not die on the signal"
+    # A SIGTERM is a preemption notice (its source and deadline kept); a SIGINT an interrupt.
+    attempt = run["attempts"][0]
+    if how.startswith("sigterm"):
+        assert attempt["status"] == "PREEMPTED", "workers must not die on the signal"
+        assert attempt["preempted"]["source"].startswith("SIGTERM") and attempt["preempted"]["ranks"] is None
+        assert attempt["preempted"]["deadline"] == pytest.approx(attempt["preempted"]["received_at"] + 30)
+    else:
+        assert attempt["status"] == "INTERRUPTED", "workers must not die on the signal"
     rows = [json.loads(line) for line in open(os.path.join(path, "result.json"))]
     last = rows[-1]["training_iteration"]
     assert 4 <= last < ITERATIONS
@@ -89,7 +96,7 @@ def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(storage, tmp_
     read_until(driver, "BLOCKING")
     driver.send_signal(signal.SIGTERM)
     for line in driver.stderr:
-        if "SIGTERM received" in line:
+        if "preemption notice (SIGTERM)" in line:
             break
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=60)

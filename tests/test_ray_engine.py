@@ -466,7 +466,7 @@ trainer({storage!r}, "driver-kill", {str(tmp_path)!r}, echo=True, on_request=Tru
     _, err = first.communicate(timeout=60)
     assert "TrainingInterruptedError" in err and "latest committed checkpoint is checkpoint_" in err, err
     interrupted = attempts_at(path)[-1]
-    assert interrupted["status"] == "INTERRUPTED"
+    assert interrupted["status"] == "PREEMPTED" and interrupted["preempted"]["source"] == "SIGTERM"
     # 2. Restored in another process, then SIGKILLed: Ray kills its actors with it.
     second = start_script(restore, **env)
     read_until(second, "REPORTED")
@@ -479,7 +479,7 @@ trainer({storage!r}, "driver-kill", {str(tmp_path)!r}, echo=True, on_request=Tru
     out, err = third.communicate(timeout=180)
     assert third.returncode == 0, err
     assert printed_rows(out) == list(range(1, 41))
-    assert [a["status"] for a in attempts_at(path)] == ["INTERRUPTED", "ABORTED", "FINISHED"]
+    assert [a["status"] for a in attempts_at(path)] == ["PREEMPTED", "ABORTED", "FINISHED"]
 
 
 @pytest.mark.slow  # 14 s; the in-place test below compares a Ray run with a local one bit for bit
@@ -810,7 +810,7 @@ def test_a_sigterm_reaches_trial_drivers_on_their_nodes_and_a_sigkill_takes_them
     assert "INTERRUPTED" in out, err[-3000:]
     (trial,) = sweep_json(path)["trials"]
     assert trial["status"] == "INTERRUPTED" and trial["driver"]["pid"] != sweep.pid
-    assert [a["status"] for a in attempts_at(os.path.join(path, trial["name"]))] == ["INTERRUPTED"]
+    assert [a["status"] for a in attempts_at(os.path.join(path, trial["name"]))] == ["PREEMPTED"]
 
     fifo = os.open(marker, os.O_RDONLY | os.O_NONBLOCK)
     sweep = start_script(SIGNALLED_SWEEP, storage, marker, RAY_ADDRESS=cluster.address)
@@ -823,7 +823,7 @@ def test_a_sigterm_reaches_trial_drivers_on_their_nodes_and_a_sigkill_takes_them
     grid = tune.Tuner.restore(path, signalled_trainer(marker)).fit()
     (result,) = grid
     assert [r["training_iteration"] for r in result.rows] == list(range(1, 13))
-    assert [a["status"] for a in attempts(result)][::2] == ["INTERRUPTED", "FINISHED"]
+    assert [a["status"] for a in attempts(result)][::2] == ["PREEMPTED", "FINISHED"]
 
 
 @pytest.mark.slow  # 30 s; TrialSlots' arithmetic is unit-tested in test_elastic

@@ -389,12 +389,12 @@ def test_sigterm_to_the_sweep_driver_checkpoints_and_stops_every_trial(storage, 
     # resume_unfinished=False leaves the interrupted trials as they are.
     left = Tuner.restore(path, tune_loop, resume_unfinished=False).fit()
     assert [r.trial_status for r in left] == ["INTERRUPTED"] * 2
-    assert attempts(os.path.join(path, "trial_00000")) == ["INTERRUPTED"]
+    assert attempts(os.path.join(path, "trial_00000")) == ["PREEMPTED"]
     grid = Tuner.restore(path, tune_loop).fit()
     assert grid.num_terminated == 2 and grid.status == "FINISHED"
     for result in grid:
         assert [row["training_iteration"] for row in result.rows] == list(range(1, 7))
-        assert attempts(result.path) == ["INTERRUPTED", "FINISHED"]
+        assert attempts(result.path) == ["PREEMPTED", "FINISHED"]
 
 
 # -- auto-resume, extension, bad input --------------------------------------------------------------

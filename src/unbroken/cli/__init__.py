@@ -1,5 +1,6 @@
-"""Layer 8, cli: the `unbroken` command (`commands`: ls, show, verify, resume, plot) and the
-read-only inspection and plotting behind it (`inspection`, `plotting`).
+"""Layer 8, cli: the `unbroken` command (`commands`: ls, show, verify, resume, plot, run), the
+read-only inspection and plotting behind it (`inspection`, `plotting`) and the supervisor that
+starts a training script again when its driver dies (`supervisor`, `unbroken run`).
 
 May import: every layer below (it is the top).
 """

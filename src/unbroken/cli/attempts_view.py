@@ -16,8 +16,8 @@ from unbroken.store.storage import Storage
 
 def show(s: inspection.RunSummary) -> None:
     """One row per attempt, then what the table has no room for: a changed configuration,
-    the just-in-time checkpoint (or why there was none), a hang, a slow rank; then, for a
-    trial of population-based training, its lineage."""
+    the just-in-time checkpoint (or why there was none), a hang, a preemption notice, a slow
+    rank; then, for a trial of population-based training, its lineage."""
     print("\nattempts")
     rows = [[a["number"], a["status"], _when(a["started_at"]), _when(a["ended_at"]), a["num_workers"],
              a["resumed_from"] or ("in place" if a.get("in_place") else "-"), a["error"] or "-"]
@@ -63,6 +63,11 @@ def _show_attempt_notes(a: dict[str, Any], previous: dict[str, Any] | None) -> N
             gap = f"; began {seconds:.1f} s after attempt {previous['number']} ended"
         print(f"  attempt {a['number']}: {a['num_workers']} workers, elastic: {elastic['reason']} "
               f"({elastic['capacity']} could be placed{before}){gap}")
+    notice = a.get("preempted")
+    if notice:
+        ranks = "every rank" if notice["ranks"] is None else f"rank(s) {notice['ranks']}"
+        print(f"  attempt {a['number']}: preempted: {notice['source']} at {_when(notice['received_at'])}, "
+              f"{notice['node']} ({ranks}) to go by {_when(notice['deadline'])}")
     slow = (a.get("forward_s") or {}).get("straggler")
     if slow:
         own = a["forward_s"]["median_s"][slow["rank"]]

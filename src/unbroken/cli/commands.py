@@ -1,15 +1,17 @@
-"""The `unbroken` command line: list, show, verify, resume and plot runs.
+"""The `unbroken` command line: list, show, verify, resume and plot runs; supervise a script.
 
     unbroken ls [STORAGE] [--metric NAME] [--json]
     unbroken show PATH [--json]
     unbroken verify PATH [--json]
     unbroken resume PATH [--max-failures N]
     unbroken plot PATH [-o FILE] [--metric NAME ... | --goodput]
+    unbroken run [--max-restarts N] [--backoff-s S] -- CMD ...
 
 `ls`, `show`, `verify` and `plot` only read the run directory. Exit codes: 0 all is well,
 1 a problem was found (a torn or corrupted checkpoint, an unreadable run, a resume that
 failed or was refused), 2 bad usage (wrong arguments, a path that is not a run, an unknown
 metric), 130 interrupted. Errors print one line and a hint; `--traceback` shows the rest.
+`run` (see `cli.supervisor`) exits with its command's code instead.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from typing import Any
 
 from unbroken import __version__
-from unbroken.cli import goodput_view, inspection, run_view, sweep_view
+from unbroken.cli import goodput_view, inspection, run_view, supervisor, sweep_view
 from unbroken.cli.cells import metric as _metric
 from unbroken.cli.cells import or_dash as _or_dash
 from unbroken.cli.cells import size as _size
@@ -123,6 +125,21 @@ def _parser() -> argparse.ArgumentParser:
                       help="draw where the run's time went instead: productive, checkpoint, recovery, "
                            "redone and waiting as bands, attempts and failures marked")
     plot.set_defaults(handler=cmd_plot)
+
+    run = commands.add_parser(
+        "run", help="run a training script, and start it again when its driver dies",
+        usage="unbroken run [-h] [--max-restarts N] [--backoff-s S] -- CMD ...",
+        description="Run CMD as a child process. When it dies by a signal or exits non-zero and the "
+                    "run or sweep it opened is not finished, start it again (it resumes the run by "
+                    "name). SIGTERM/SIGINT are passed on to it, and end the supervision. Exits with "
+                    "CMD's code (128+s for a signal s).")
+    run.add_argument("--max-restarts", type=_count, default=supervisor.DEFAULT_MAX_RESTARTS, metavar="N",
+                     help=f"restarts allowed (default: {supervisor.DEFAULT_MAX_RESTARTS})")
+    run.add_argument("--backoff-s", type=_backoff, default=supervisor.DEFAULT_BACKOFF_S, metavar="S",
+                     help=f"seconds before the first restart, doubled for each next one up to "
+                          f"{supervisor.MAX_BACKOFF_S:g} (default: {supervisor.DEFAULT_BACKOFF_S:g})")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run")
+    run.set_defaults(handler=cmd_run, usage=run.format_usage())
     return parser
 
 
@@ -133,6 +150,22 @@ def _max_failures(text: str) -> int:
         value = -2
     if value < -1:
         raise argparse.ArgumentTypeError(f"expected an integer >= -1, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def _backoff(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -305,6 +338,15 @@ def _fit_to_end(trainer: Any, storage: Storage, name: str) -> int:
           f"{_or_dash((result.metrics or {}).get('training_iteration'))} after {attempts} attempts; "
           f"last {_metric(result.metrics, None)}")
     return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print(f"{args.usage.rstrip()}\nunbroken run: error: no command given. Hint: "
+              "unbroken run -- python train.py", file=sys.stderr)
+        return EXIT_USAGE
+    return supervisor.supervise(command, args.max_restarts, args.backoff_s)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

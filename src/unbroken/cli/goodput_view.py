@@ -8,7 +8,7 @@ from unbroken.run import goodput as gp
 
 LABELS = {gp.PRODUCTIVE: "productive", gp.CHECKPOINT: "checkpoint stall", gp.STARTUP: "start-up",
           gp.RECOVERY: "recovery", gp.REDONE: "redone", gp.WAITING: "waiting for capacity",
-          gp.OTHER: "other"}
+          gp.PREEMPTION: "preemption", gp.OTHER: "other"}
 
 
 def cell(time: dict[str, Any] | None) -> str:

@@ -106,7 +106,8 @@ def _pyplot() -> Any:
 
 
 COLORS = {gp.PRODUCTIVE: "#2ca02c", gp.CHECKPOINT: "#1f77b4", gp.STARTUP: "#9467bd",
-          gp.RECOVERY: "#d62728", gp.REDONE: "#ff7f0e", gp.WAITING: "#bcbd22", gp.OTHER: "#7f7f7f"}
+          gp.RECOVERY: "#d62728", gp.REDONE: "#ff7f0e", gp.WAITING: "#bcbd22",
+          gp.PREEMPTION: "#8c564b", gp.OTHER: "#7f7f7f"}
 
 
 def plot_goodput(path: str, out: str | os.PathLike, storage_filesystem: Any = None) -> dict[str, float]:

@@ -4,7 +4,8 @@ The config dataclasses (`config`), fault injection for crash tests (`faults`), t
 Train names unbroken refuses (`ray_names`), the argument codec (`codec`: JSON, references
 and per-argument pickles; fingerprints; constructor-argument binding), the stable names of
 moved modules in stored data (`stable_names`), helpers for processes the driver starts
-(`processes`) and the intent of one fit() beyond its arguments (`run_spec`). The error
+(`processes`), the intent of one fit() beyond its arguments (`run_spec`) and how a driver
+tells the `unbroken run` supervisor which run or sweep it opened (`supervision`). The error
 types are `unbroken.errors`, beside this package, because users import them from there.
 
 May import: the standard library, third-party packages and `unbroken.errors` only.

@@ -127,6 +127,8 @@ RECOVERY_LEVELS = ("checkpoint", "just_in_time", "in_place")
 # not look like a hang).
 AUTO_HANG_FACTOR = 20.0
 AUTO_HANG_MIN_S = 1800.0
+# The clouds whose spot notices FailureConfig(preemption_notices=...) can poll (None: none).
+PREEMPTION_NOTICES = (None, "aws", "gce")
 
 
 @dataclass
@@ -140,11 +142,17 @@ class FailureConfig:
     has completed two report rounds, then `AUTO_HANG_FACTOR` times the longest time between
     two of its rounds so far, and never under `AUTO_HANG_MIN_S`.
 
-    Ray Train V2's `controller_failure_limit` and `max_preemption_failures` (-1: unlimited,
-    the default) are accepted so that V2 scripts run unchanged, and have no effect: the
-    controller is the driver process itself (a killed driver's run continues when the script
-    runs again), and a preemption signal to the driver commits a checkpoint and stops the run
-    as INTERRUPTED rather than counting as a failure. `fail_fast` (V1) raises at the first failure;
+    Preemption (see `unbroken.execution.notices`): a notice that the run's machine goes away
+    at a deadline commits a checkpoint before it and stops the attempt as PREEMPTED, which is
+    not a failure. Notices are a SIGTERM or SIGINT to the driver or to a local worker process,
+    with `sigterm_grace_s` left before the kill (Kubernetes' terminationGracePeriodSeconds,
+    30 s by default); and, only when `preemption_notices` names the cloud ("aws", "gce"; or
+    the UNBROKEN_PREEMPTION_NOTICES environment variable), the provider's spot notice, polled
+    from its metadata endpoint. Ray Train V2's `max_preemption_failures` (-1: unlimited, the
+    default) bounds the preemptions a run goes on after, apart from `max_failures`; its
+    `controller_failure_limit` is accepted so that V2 scripts run unchanged, and has no
+    effect: the controller is the driver process itself (a killed driver's run continues when
+    the script runs again, or under `unbroken run`). `fail_fast` (V1) raises at the first failure;
     in a sweep, a trial's error also ends the sweep (`"raise"`: and fit() raises it), as in Tune.
 
     `recovery`: how a run whose loop keeps its state in a `TrainState` recovers from a failed
@@ -174,6 +182,8 @@ class FailureConfig:
     recover_in_place: bool = False
     controller_failure_limit: int = -1
     max_preemption_failures: int = -1
+    sigterm_grace_s: float = 30.0
+    preemption_notices: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_failures", "controller_failure_limit", "max_preemption_failures"):
@@ -187,6 +197,12 @@ class FailureConfig:
                 isinstance(self.hang_timeout_s, (int, float)) and self.hang_timeout_s > 0):
             raise ValueError(f"FailureConfig.hang_timeout_s must be None, 'auto' or > 0, got "
                              f"{self.hang_timeout_s!r}. Hint: hang_timeout_s=None waits for ever")
+        if not (isinstance(self.sigterm_grace_s, (int, float)) and self.sigterm_grace_s > 0):
+            raise ValueError(f"FailureConfig.sigterm_grace_s must be > 0 (seconds), got "
+                             f"{self.sigterm_grace_s!r}")
+        if self.preemption_notices not in PREEMPTION_NOTICES:
+            raise ValueError(f"FailureConfig.preemption_notices must be one of {PREEMPTION_NOTICES}, got "
+                             f"{self.preemption_notices!r}. Hint: name the cloud whose spot notices to poll")
         if self.recovery not in RECOVERY_LEVELS:
             levels = ", ".join(map(repr, RECOVERY_LEVELS))
             raise ValueError(f"FailureConfig.recovery must be one of {levels}, got {self.recovery!r}. "

@@ -35,10 +35,6 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                       "sync. Hint: drop sync_config",
         "BackendConfig": "the only backend is torch.distributed. Hint: pass "
                          "unbroken.train.torch.TorchConfig(backend=..., timeout_s=...)",
-        "get_preemption_info": "the driver, not the cloud, tells the workers about a preemption. Hint: "
-                               "checkpoint at the report where train.get_context().should_checkpoint() "
-                               "is true (TrainState does it by itself)",
-        "PreemptionInfo": "see get_preemption_info. Hint: use train.get_context().should_checkpoint()",
         "PreemptionError": "a SIGTERM/SIGINT to the driver commits a checkpoint and raises "
                            "TrainingInterruptedError, a TrainingFailedError. Hint: catch "
                            "unbroken.errors.TrainingInterruptedError",

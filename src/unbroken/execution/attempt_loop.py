@@ -7,12 +7,15 @@ Each message goes where it belongs: reports and staged files to the report pipel
 bookkeeping (`report_rounds`). Failures are recorded, not raised, as they arrive; the loop
 raises the root cause only once no incomplete round can complete and no pending checkpoint
 can commit any more (or `ROUND_GRACE_S` passed), after recovery had its just-in-time say. A
-signal asks for a checkpoint at the next report and a stop after it (STOPPING), as does an
-elastic run that can grow; a second signal stops at once (INTERRUPTED).
+preemption notice (`notices`: a signal, a rank's SIGTERM, a spot notice) asks for a
+checkpoint at the next report and a stop after it (STOPPING), as does an elastic run that
+can grow; near the notice's deadline, ranks that have not reported give their step up and
+the last report round is saved just in time; a second signal stops at once (INTERRUPTED).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +27,7 @@ from unbroken.execution import controller_state as states
 from unbroken.execution.collective_calls import CollectiveCalls
 from unbroken.execution.elastic import ElasticScaler
 from unbroken.execution.engine.base import WorkerGroup, send_each
+from unbroken.execution.notices import MetadataWatch, Notice, machine_notice
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.recovery import Failures, Recovery
 from unbroken.execution.report_pipeline import ReportPipeline, Round
@@ -41,6 +45,7 @@ from unbroken.worker.protocol import (
     Reply,
     Report,
     Staged,
+    Terminating,
     Validated,
 )
 
@@ -78,12 +83,13 @@ class AttemptLoop:
 
     def __init__(self, group: WorkerGroup, run: Run, run_config: RunConfig, num_workers: int,
                  reports: ReportPipeline, recovery: Recovery, validations: Validations,
-                 interrupts: Interrupts, elastic: ElasticScaler | None,
+                 interrupts: Interrupts, spot: MetadataWatch, elastic: ElasticScaler | None,
                  state: Callable[[], states.ControllerState],
                  transition: Callable[[states.ControllerState], None]) -> None:
         self.group, self.run, self.run_config, self.num_workers = group, run, run_config, num_workers
         self.reports, self.recovery, self.validations = reports, recovery, validations
-        self.interrupts, self.elastic, self.state, self.transition = interrupts, elastic, state, transition
+        self.interrupts, self.spot, self.elastic = interrupts, spot, elastic
+        self.state, self.transition = state, transition
         self.rounds = ReportRounds(num_workers, last_heard=time.monotonic())
         self.collectives = CollectiveCalls(num_workers)
         self.failures: Failures = []  # (rank, its error or WorkerDied), in the order they happened
@@ -103,6 +109,8 @@ class AttemptLoop:
                 hang_s = self.run_config.failure_config.hang_bound(self.round_gaps.longest)
                 self.run.lease.beat()
                 signals = self._take_signals(signals)
+                if (spot := self.spot.take()) is not None:
+                    self._preempt(spot)
                 if self.elastic is not None and isinstance(self.state(), states.Running) and not failures:
                     self._grow_when_possible()
                 now = time.monotonic()
@@ -112,7 +120,7 @@ class AttemptLoop:
                     if not can_complete or now - failed_at >= ROUND_GRACE_S:
                         self.recovery.save_just_in_time(group, self.num_workers, failures, rounds.last_heard,
                                                         lambda: rounds.running, self._events,
-                                                        self.reports.commit_late)
+                                                        self.reports.commit_late, stay=not self._preempting())
                         raise root_cause(group, failures)
                     timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
                 if hang_s is not None:
@@ -121,6 +129,7 @@ class AttemptLoop:
                     send_each(group, rounds.running, Validated(name))
                 if self.validations.busy:
                     timeout = min(timeout, VALIDATION_POLL_S)
+                timeout = min(timeout, self._abandon_when_due(time.time()))
                 events = group.poll(timeout, wake=self.interrupts)
                 now = time.monotonic()
                 if events:
@@ -144,7 +153,8 @@ class AttemptLoop:
 
     def _take_signals(self, seen: int) -> int:
         """React to SIGTERM/SIGINT received since `seen` of them: the first asks for a
-        checkpoint and a stop (STOPPING), another one stops at once. Returns the count."""
+        checkpoint and a stop (STOPPING; a SIGTERM is a preemption notice, see `_preempt`),
+        another one stops at once. Returns the count."""
         count = self.interrupts.count  # once: another signal may land while this one is logged
         if count <= seen:
             return seen
@@ -153,10 +163,55 @@ class AttemptLoop:
             log.warning("run %s: %s again: stopping the workers now", self.run.path, name)
             self.transition(states.Interrupted(name))
             raise StopNow
-        self.transition(states.Stopping(self.run.attempt.number, name))
-        log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
-                    "(send it again to stop at once)", self.run.path, name)
+        if name == "SIGTERM":
+            grace = self.run_config.failure_config.sigterm_grace_s
+            self._preempt(machine_notice(name, time.time(), grace), signal=name)
+        elif isinstance(state, states.Stopping) and state.notice is not None:
+            self.transition(dataclasses.replace(state, signal=name))
+        else:
+            self.transition(states.Stopping(self.run.attempt.number, name))
+            log.warning("run %s: %s received: the workers checkpoint at their next report, then stop "
+                        "(send it again to stop at once)", self.run.path, name)
         return count
+
+    def _preempt(self, notice: Notice, signal: str | None = None) -> None:
+        """A preemption notice: ask for a checkpoint at the next report and a stop after it
+        (STOPPING; a resize under way becomes this stop); of several, the earliest deadline
+        holds."""
+        state = self.state()
+        if isinstance(state, states.Stopping) and state.notice is not None:
+            earlier = notice if notice.deadline < state.notice.deadline else state.notice
+            self.transition(dataclasses.replace(state, notice=earlier, signal=state.signal or signal))
+            return
+        self.transition(states.Stopping(self.run.attempt.number, signal, notice=notice))
+        again = " (send the signal again to stop at once)" if signal else ""
+        log.warning("run %s: preemption notice (%s): the workers checkpoint at their next report, then "
+                    "stop; the machine goes in %.0f s%s", self.run.path, notice.source,
+                    notice.deadline - time.time(), again)
+
+    def _preempting(self) -> bool:
+        state = self.state()
+        return isinstance(state, states.Stopping) and state.notice is not None
+
+    def _abandon_when_due(self, now: float) -> float:
+        """Near a notice's deadline (`Notice.abandon_at`), while the checkpoint asked for has
+        not come: have the running ranks give their step up (`WorkerGroup.interrupt`), so
+        that the last report round is saved just in time. Returns how long until then."""
+        state = self.state()
+        if not isinstance(state, states.Stopping) or state.notice is None or state.abandoned or state.stopped:
+            return POLL_S
+        left = state.notice.abandon_at - now
+        if left > 0:
+            return left
+        ranks = sorted(self.rounds.running)
+        log.warning("run %s: rank(s) %s did not report since the preemption notice, %.1f s before its "
+                    "deadline: they give their step up, and the last report round is saved just in time",
+                    self.run.path, ranks, state.notice.deadline - now)
+        self.transition(dataclasses.replace(state, abandoned=True))
+        interrupt = getattr(self.group, "interrupt", None)
+        if interrupt is not None:
+            interrupt(set(ranks))
+        return POLL_S
 
     def _grow_when_possible(self) -> None:
         """An elastic run below max_workers: when a check is due and more workers can be placed,
@@ -183,6 +238,9 @@ class AttemptLoop:
             self.recovery.jit.take(group, rank, message)
             if isinstance(message, JitArmed):
                 self.recovery.armed(self.num_workers)
+        elif isinstance(message, Terminating):
+            grace = self.run_config.failure_config.sigterm_grace_s
+            self._preempt(machine_notice(f"{message.source} to rank {rank}", message.at, grace))
         elif isinstance(message, Rendezvous):
             for other in range(1, self.num_workers):
                 group.send(other, message)
@@ -209,14 +267,15 @@ class AttemptLoop:
         if not isinstance(state, states.Stopping):
             return self.reports.reply(done)
         committed = self.reports.committed(done.iteration)
+        info = state.notice.info(self.num_workers) if state.notice is not None else None
         if state.asked_at is None:
             self.transition(state.asking_at(done.iteration))
             return Reply(stop=done.stop, checkpoint=True, committed=committed,
-                         verdict_at=stop_due_at(self.run_config.stop), attach=done.attach)
+                         verdict_at=stop_due_at(self.run_config.stop), attach=done.attach, preemption=info)
         self.transition(state.stopping_workers())
         if not done.saved:
             latest = self.run.checkpoints.latest
             log.warning("run %s: the training loop did not attach a checkpoint to report %d when asked "
                         "(train.get_context().should_checkpoint() was true); a restore resumes from %s",
                         self.run.path, done.iteration, latest.name if latest else "the start")
-        return Reply(stop=True, checkpoint=False, committed=committed, attach=done.attach)
+        return Reply(stop=True, checkpoint=False, committed=committed, attach=done.attach, preemption=info)

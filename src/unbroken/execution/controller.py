@@ -4,8 +4,8 @@ Each attempt starts (or, after a recovery in place, rejoins) a worker group and 
 attempt loop on it (`attempt_loop`): the reports become rows and checkpoints through the
 report pipeline (`report_pipeline`). When an attempt fails, recovery (`recovery`) settles
 what can be saved and, with the failure policy handed in, says what follows: a recovery
-in place, a restart from the latest committed checkpoint, or giving up. A signal or an
-elastic resize stops the attempt at a checkpoint. The controller's state
+in place, a restart from the latest committed checkpoint, or giving up. A preemption notice
+(`notices`) or an elastic resize stops the attempt at a checkpoint. The controller's state
 (`controller_state`) changes only in `_transition`. The worker group is the engine's
 business; storage is the Run's.
 """
@@ -31,6 +31,7 @@ from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.execution.failure_policy import FailurePolicy
 from unbroken.execution.in_place import InPlacePlan
+from unbroken.execution.notices import MetadataWatch
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.rank_payload import rank_payload
 from unbroken.execution.recovery import Next, Recovery, record_safely
@@ -66,6 +67,7 @@ class Controller:
         self.policy = (FailurePolicy(self.run_config.failure_config) if failure_policy is None
                        else failure_policy)
         self.interrupts = Interrupts()
+        self._spot = MetadataWatch(self.run_config.failure_config.preemption_notices)  # if asked for
         # Workers get the trainer without the driver-side callbacks (never called there, and
         # a callback may hold something that cannot travel to a forkserver worker).
         self._worker_trainer = copy.copy(trainer)
@@ -97,6 +99,7 @@ class Controller:
         """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
         and TrainingInterruptedError on SIGTERM/SIGINT."""
         with self.interrupts:
+            self._spot.start()
             try:
                 while True:
                     if self.interrupts.count:
@@ -104,6 +107,7 @@ class Controller:
                     if self._attempt():
                         return
             finally:
+                self._spot.close()
                 self._validations.close()  # one still in flight runs again under the next driver
                 self._recovery.close()
                 record_safely(self.run, self.run.lease.release)  # also when an attempt could not even begin
@@ -128,7 +132,7 @@ class Controller:
             group = rejoin[0] if rejoin is not None else self.group_factory(self.scaling, warm=warm)
             self._start(group, resume, attempt, peer)
             loop = AttemptLoop(group, self.run, self.run_config, self.scaling.num_workers, self._reports,
-                               self._recovery, self._validations, self.interrupts, self._elastic,
+                               self._recovery, self._validations, self.interrupts, self._spot, self._elastic,
                                lambda: self.state, self._transition)
             loop.drive()
         except BaseException as error:
@@ -192,8 +196,11 @@ class Controller:
 
     def _gives_up(self, error: BaseException, attempt: int) -> bool:
         """Close failed attempt `attempt`; ask the failure policy: False to restart, True (run closed)
-        to raise `error`. Raises TrainingInterruptedError when a second signal stopped the workers."""
-        if isinstance(self.state, states.Interrupted):
+        to raise `error`. Raises TrainingInterruptedError when a second signal stopped the workers,
+        or when the attempt ended for a preemption notice (its ranks gave their step up, or
+        failed, once the notice came): a preemption is not a failure."""
+        if isinstance(self.state, states.Interrupted) or (
+                isinstance(self.state, states.Stopping) and self.state.notice is not None):
             self._interrupted()
         record_safely(self.run, self.run.end_attempt, mf.ERRORED, error)
         after = self._recovery.decide(error)
@@ -209,15 +216,20 @@ class Controller:
         return True
 
     def _interrupted(self) -> None:
-        """Close the attempt and the run as INTERRUPTED and raise with the restore hint."""
+        """Close the attempt (PREEMPTED after a preemption notice, with the notice in its
+        record) and the run as INTERRUPTED, and raise with the restore hint."""
+        notice = self.state.notice if isinstance(self.state, states.Stopping) else None
         if not isinstance(self.state, states.Interrupted):  # a second signal made it so already
             self._transition(states.Interrupted(self.interrupts.signal_name))
         if self.run.attempt is not None and self.run.attempt.ended_at is None:
-            self.run.end_attempt(mf.INTERRUPTED)
+            if notice is not None:
+                self.run.attempt.preempted = notice.record()
+            self.run.end_attempt(mf.PREEMPTED if notice is not None else mf.INTERRUPTED)
         self.run.finish(mf.INTERRUPTED)
         latest = self.run.checkpoints.latest
         where = (f"its latest committed checkpoint is {latest.name} (iteration {latest.iteration})"
                  if latest else "it has no committed checkpoint yet")
+        cause = self.interrupts.signal_name if notice is None else f"a preemption notice ({notice.source})"
         raise TrainingInterruptedError(
-            f"run {self.run.path!r} was interrupted by {self.interrupts.signal_name}; {where}.\n"
+            f"run {self.run.path!r} was interrupted by {cause}; {where}.\n"
             f"Continue it with {self.restore_hint}") from None

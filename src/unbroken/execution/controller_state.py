@@ -6,8 +6,10 @@ between them only through `Controller._transition`, which checks each move with
 
 - Starting -> Running -> Finished: an attempt starts its workers, which run to the end (also
   from Stopping, when they end before the checkpoint asked for).
-- Running -> Stopping -> Interrupted: a first SIGTERM/SIGINT asks the workers for a checkpoint,
-  then stops them (a second signal stops them at once, from Running or Stopping).
+- Running -> Stopping -> Interrupted: a preemption notice (a first SIGTERM/SIGINT, a spot
+  notice) asks the workers for a checkpoint, then stops them (a second signal stops them at
+  once, from Running or Stopping); near its deadline they give their step up, and the
+  last report round is saved just in time (Stopping -> Interrupted through the failure).
 - Running -> Stopping -> Resizing -> Starting: an elastic run can grow; the workers checkpoint
   at their next report and stop, and the next attempt starts larger (not a failure).
 - Starting, Running or Stopping -> Restarting -> Starting: a failure the policy retries.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import ClassVar
+
+from unbroken.execution.notices import Notice
 
 
 @dataclass(frozen=True)
@@ -54,13 +58,15 @@ class Running(ControllerState):
 
 @dataclass(frozen=True)
 class Stopping(ControllerState):
-    """Preemption: `signal` (SIGTERM/SIGINT) reached the driver during attempt `attempt`; the
-    workers are asked for a checkpoint, then told to stop (see `unbroken.execution.preemption`).
-    Or an elastic resize (`resize_to` workers, no signal): the same checkpoint and stop.
+    """Preemption: a notice (`notice`, see `unbroken.execution.notices`; `signal`: the
+    SIGTERM/SIGINT to the driver that gave it, if one did) came during attempt `attempt`; the
+    workers are asked for a checkpoint, then told to stop. Or an elastic resize (`resize_to`
+    workers, no notice): the same checkpoint and stop.
 
     `asked_at`: the round whose reply asked for the checkpoint (None until a round completed);
-    `stopped`: a later round's reply told the workers to stop, so the attempt ends INTERRUPTED
-    (RESIZED for a resize).
+    `stopped`: a later round's reply told the workers to stop, so the attempt ends PREEMPTED
+    (RESIZED for a resize); `abandoned`: the ranks were told to give their step up, the
+    notice's deadline being near (`Notice.abandon_at`).
     """
 
     name: ClassVar[str] = "STOPPING"
@@ -69,6 +75,8 @@ class Stopping(ControllerState):
     asked_at: int | None = None
     stopped: bool = False
     resize_to: int | None = None
+    notice: Notice | None = None
+    abandoned: bool = False
 
     def asking_at(self, iteration: int) -> Stopping:
         """This state once round `iteration`'s reply asked the workers for a checkpoint."""

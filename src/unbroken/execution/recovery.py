@@ -116,15 +116,17 @@ class Recovery:
         in_place.free_hung(self.run, group, error, self.may_stay(group), self.jit.armed, running, failures)
 
     def save_just_in_time(self, group: WorkerGroup, num_workers: int, failures: Failures, last_heard: float,
-                          running: Callable[[], set[int]], events: Events, commit: Commit) -> None:
+                          running: Callable[[], set[int]], events: Events, commit: Commit,
+                          stay: bool = True) -> None:
         """The failure is final: when the ranks' TrainState can (`jit_checkpoint`), have the
-        survivors stay for a recovery in place, or else a surviving rank save the last complete
-        round and `commit` it, and say in the attempt record what happened."""
+        survivors stay for a recovery in place (unless not `stay`: a preempted machine's ranks
+        go), or else a surviving rank save the last complete round and `commit` it, and say in
+        the attempt record what happened."""
         if not self.jit.armed or self.jit.closed:
             return
         released = in_place.release_at(self.config, failures, last_heard)
-        plan = in_place.settle(self.run, self.jit, group, num_workers, self.may_stay(group), running, events,
-                               commit, released)
+        plan = in_place.settle(self.run, self.jit, group, num_workers, stay and self.may_stay(group), running,
+                               events, commit, released)
         min_workers = self.elastic.sizing.min_workers if self.elastic is not None else None
         self.plan = in_place.shrunk(plan, failures, min_workers)
 

@@ -21,6 +21,9 @@ terms, defined for users in docs/guarantees.md ("Where the time went"):
 - **redone**: iterations computed and then dropped from the history because a later attempt
   resumed from an earlier point.
 - **waiting**: an elastic run waiting for capacity before an attempt (`elastic.waited_s`).
+- **preemption**: from a preempted attempt's last row to its end (status PREEMPTED: a
+  preemption notice stopped it at a checkpoint): the step given up or finished for the
+  checkpoint, the just-in-time save and the stop.
 - **other**: the rest: a finished attempt's end (teardown, the last commit and validations),
   a stopped attempt's end.
 
@@ -43,8 +46,10 @@ from unbroken.store import manifest as mf
 from unbroken.store.storage import Storage
 
 PRODUCTIVE, CHECKPOINT, STARTUP, RECOVERY = "productive", "checkpoint", "startup", "recovery"
-REDONE, WAITING, OTHER = "redone", "waiting", "other"
-KINDS = (PRODUCTIVE, CHECKPOINT, STARTUP, RECOVERY, REDONE, WAITING, OTHER)
+REDONE, WAITING, PREEMPTION, OTHER = "redone", "waiting", "preemption", "other"
+KINDS = (PRODUCTIVE, CHECKPOINT, STARTUP, RECOVERY, REDONE, WAITING, PREEMPTION, OTHER)
+# What the time from an attempt's last row to its end went into, by the attempt's status.
+_TAIL = {mf.ERRORED: RECOVERY, mf.RESIZED: RECOVERY, mf.PREEMPTED: PREEMPTION}
 # Without fit_started_at (runs written before it was recorded), an attempt that began this soon
 # after a failed or resized one ended is taken to be a restart within the same fit().
 SAME_FIT_GAP_S = 120.0
@@ -168,7 +173,7 @@ def of_run(attempts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Goodpu
             t = end
         ended = a.get("ended_at") if a.get("status") != mf.ABORTED else None
         end = max(float(ended or t), t)
-        _add(out, t, end, RECOVERY if a.get("status") in (mf.ERRORED, mf.RESIZED) else OTHER, a)
+        _add(out, t, end, _TAIL.get(a.get("status"), OTHER), a)
         previous, previous_end = a, end
     return out
 

@@ -36,13 +36,14 @@ RUN_FILES = (RUN_JSON, RUN_PREV_JSON)  # current and previous generation
 RUNNING, FINISHED, ERRORED, INTERRUPTED = "RUNNING", "FINISHED", "ERRORED", "INTERRUPTED"
 ABORTED = "ABORTED"  # an attempt whose driver died (e.g. SIGKILL) before it could record an end
 RESIZED = "RESIZED"  # an attempt of an elastic run that stopped at a checkpoint to grow
+PREEMPTED = "PREEMPTED"  # an attempt stopped at a checkpoint for a preemption notice
 
 
 # A trial of population-based training: each exploit of its run (see unbroken.tune.population).
 PBT_LINEAGE = f"{META_DIR}/pbt.json"
 # Attempt fields left out of run.json while None, so that runs without them read as before.
 OPTIONAL_FIELDS = ("config_change", "jit_checkpoint", "elastic", "in_place", "fit_started_at", "hang",
-                   "forward_s", "checkpoint_stalls")
+                   "forward_s", "checkpoint_stalls", "preempted")
 
 
 @dataclass
@@ -92,6 +93,11 @@ class Attempt:
     # stall, the cost `checkpoint="auto"` weighs). Kept here, not in the metric rows, which
     # hold what the loop reported. Only in run.json when there is one.
     checkpoint_stalls: dict[str, float] | None = None
+    # When a preemption notice stopped this attempt (status PREEMPTED): where it came from,
+    # when, the deadline (time.time() seconds), the machine it named (a Ray node id, or a host
+    # name) and its ranks (None: every rank): {"source": "SIGTERM", "received_at": ...,
+    # "deadline": ..., "node": "host-1", "ranks": None}. Only in run.json when there is one.
+    preempted: dict[str, Any] | None = None
 
     def stall_s(self, iteration: Any) -> float | None:
         """The checkpoint stall of round `iteration` of this attempt (None: it saved none)."""

@@ -44,7 +44,7 @@ from unbroken.worker.report_config import (
     ReportedCheckpointStatus,
     delete_after_upload,
 )
-from unbroken.worker.train_context import StorageContext, TrainContext
+from unbroken.worker.train_context import PreemptionInfo, StorageContext, TrainContext
 
 __all__ = [
     "BaseTrainer", "Callback", "Checkpoint", "CheckpointConfig", "CheckpointConsistencyMode",
@@ -54,8 +54,9 @@ __all__ = [
     "StorageContext", "TensorBoardLoggerCallback", "TrainContext", "TrainingFailedError", "UserCallback",
     "WandbLoggerCallback",
     "WorkerGroupError",
+    "PreemptionInfo",
     "collective", "get_all_reported_checkpoints", "get_checkpoint", "get_context", "get_dataset_shard",
-    "report", "TRAIN_DATASET_KEY",
+    "get_preemption_info", "report", "TRAIN_DATASET_KEY",
 ]
 
 # The dataset name Ray Train's trainers treat as the training set.
@@ -127,6 +128,16 @@ def get_all_reported_checkpoints(
         raise TypeError(f"consistency_mode must be a CheckpointConsistencyMode, got {consistency_mode!r}")
     session = _session.current("train.get_all_reported_checkpoints()")
     return session.reported_checkpoints(validated=consistency_mode is CheckpointConsistencyMode.VALIDATED)
+
+
+def get_preemption_info() -> PreemptionInfo | None:
+    """None until the run has a preemption notice; then which ranks' machines go away and by
+    when (Ray Train V2's name). The driver stops the attempt at a checkpoint by itself (the
+    next report's, or the last report's, saved just in time); this is for a loop that acts
+    too. Every rank gets the same answer at the same report: it changes when a rank takes
+    the driver's reply to a report, at its next report."""
+    info = _session.current("train.get_preemption_info()").preemption()
+    return None if info is None else PreemptionInfo(info["deadline_ms"], info["preempted_node_to_ranks"])
 
 
 def get_context() -> TrainContext:

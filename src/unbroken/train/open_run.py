@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from unbroken.core import supervision
 from unbroken.core.config import generated_name
 from unbroken.execution.engine.factory import check_can_run
 from unbroken.run.handle import Run
@@ -77,6 +78,8 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
             lease.release()
             log.info("run %s finished meanwhile; returning its stored result", path)
             return None, Result.from_path(path, config.storage_filesystem)
+        if spec.trial is None:  # `unbroken run` restarts the script that opened it (a trial: its sweep)
+            supervision.record(supervision.RUN, path)
         # A sweep's trial changes its config by design (population-based training): said quietly.
         quiet = spec.trial is not None
         change = _amendments(manifest, saved, path, quiet) if previous is not None else {}

@@ -23,6 +23,7 @@ import os
 import random
 from typing import Any
 
+from unbroken.core import supervision
 from unbroken.core.config import RunConfig, generated_name
 from unbroken.errors import InsufficientResourcesError, RunExistsError, RunNotFoundError
 from unbroken.execution.engine.factory import check_can_run, cluster_slots, resolve_engine
@@ -180,6 +181,7 @@ class Tuner:
 
         with opening.leased(SWEEP, storage, manifest, self._new_manifest,
                             on_failure=self._searcher.close) as (lease, manifest, previous):
+            supervision.record(supervision.SWEEP, path)  # `unbroken run` may restart this script
             write_tuner(storage, manifest, saved)
             manifest.identity = identity
             manifest.searcher = self._searcher.describe()

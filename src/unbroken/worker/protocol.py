@@ -2,10 +2,11 @@
 
 Small records (treat them as immutable), the same on every engine. A worker sends
 `Report`s, rank 0 one `Rendezvous` during set-up, a `Staged` when the files of an
-asynchronous save are durable, and ends with `Done` or `Failed`; the driver answers every
-complete round with a `Reply`, forwards rank 0's `Rendezvous` to the other ranks, and says
-`Committed` when an asynchronous save is committed (see `async_save`) and `Validated` when
-a checkpoint's validation is recorded (see `validations`). With just-in-time
+asynchronous save are durable, a `Terminating` when its process is told to end, and ends with
+`Done` or `Failed`; the driver answers every complete round with a `Reply`, forwards rank
+0's `Rendezvous` to the other ranks, and says `Committed` when an asynchronous save is
+committed (see `async_save`) and `Validated` when a checkpoint's validation is recorded
+(see `validations`). With just-in-time
 checkpoints a rank says `JitArmed` once, a failing rank sends `JitOffer` before its `Failed`
 and waits for the driver's `JitSave`, and the chosen rank answers with `JitSaved` (see
 `jit_checkpoint`); when the run recovers in place, the driver answers `Stay` instead, and
@@ -60,13 +61,16 @@ class Reply:
     (`config.stop_due_at`): a rank waits for the verdict right after that report and the
     ones after it, instead of running one more iteration before it learns it stops.
     `attach`: with `stop`, to ranks that reported `at_end`: save checkpoint N of the round
-    just reported after all, and send its files as a `Staged(N)` before ending."""
+    just reported after all, and send its files as a `Staged(N)` before ending.
+    `preemption`: once the driver has a preemption notice, what `train.get_preemption_info()`
+    says from this round on ({"deadline_ms", "preempted_node_to_ranks"}), on every rank alike."""
 
     stop: bool = False
     checkpoint: bool = False
     committed: str | None = None
     verdict_at: int | None = None
     attach: bool = False
+    preemption: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -194,8 +198,18 @@ class Gathered:
     mismatch: str = ""
 
 
+@dataclass(slots=True)
+class Terminating:
+    """A rank was told its process ends soon (a SIGTERM to a local worker process, `at`:
+    time.time()): a preemption notice for the driver (see `execution.notices`)."""
+
+    source: str
+    at: float
+
+
 JIT_MESSAGES = (JitArmed, JitOffer, JitSaved)
-WorkerMessage = Union[Report, Rendezvous, Staged, JitArmed, JitOffer, JitSaved, Gather, Done, Failed]
+WorkerMessage = Union[Report, Rendezvous, Staged, JitArmed, JitOffer, JitSaved, Gather, Terminating, Done,
+                      Failed]
 Outcome = Union[Done, Failed]
 
 
@@ -237,7 +251,7 @@ TrialOutcome = Union[TrialDone, TrialInterrupted, TrialFailed]
 # -- on the wire --------------------------------------------------------------------------------
 _KINDS: tuple[type, ...] = (Report, Reply, Rendezvous, Done, Failed, TrialDone, TrialInterrupted,
                             TrialFailed, Staged, Committed, JitArmed, JitOffer, JitSave, JitSaved, Gather,
-                            Gathered, Validated, Stay, Rejoin)
+                            Gathered, Validated, Stay, Rejoin, Terminating)
 _TAG = {kind: tag for tag, kind in enumerate(_KINDS)}
 
 

@@ -35,6 +35,7 @@ class Replies:
         self.awaiting = False  # a report was sent and its reply is not taken yet
         self.latest = NO_REPLY  # the latest reply taken (NO_REPLY between a report and its reply)
         self._verdict_at: int | None = None  # from the latest reply taken (Reply.verdict_at)
+        self.preemption: dict | None = None  # the first reply's that had one (Reply.preemption)
 
     def sent(self) -> None:
         """A report was sent: its reply is awaited, and the previous one decides nothing more."""
@@ -44,6 +45,8 @@ class Replies:
     def took(self, reply: Reply) -> None:
         """`reply`, to the report awaiting it, was taken."""
         self.latest, self._verdict_at = reply, reply.verdict_at
+        if self.preemption is None:
+            self.preemption = reply.preemption
         self.awaiting = False
 
     def wanted_now(self, iteration: int, at_end: bool) -> bool:

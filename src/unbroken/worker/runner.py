@@ -23,7 +23,7 @@ import cloudpickle
 from unbroken.core import shipping
 from unbroken.errors import StorageNotSharedError
 from unbroken.worker import jit as jit_checkpoint
-from unbroken.worker import peer_state
+from unbroken.worker import peer_state, preemption
 from unbroken.worker import session as session_mod
 from unbroken.worker.channel import Channel
 from unbroken.worker.protocol import Done, Failed, Outcome, Rejoin, Rendezvous, Stay
@@ -122,7 +122,8 @@ def run_worker(payload: WorkerPayload, channel: Channel,
             _start(session_mod.current("run_worker"), kept)
             kept = None
             try:
-                payload.trainer.training_loop()
+                with preemption.in_training_loop():
+                    payload.trainer.training_loop()
             except StopTraining:
                 pass
             outcome = Done(session_mod.current("run_worker").finish())

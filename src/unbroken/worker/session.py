@@ -206,6 +206,10 @@ class Session:
         self._take_reply()
         return self._replies.latest.checkpoint
 
+    def preemption(self) -> dict | None:
+        """What the driver's replies said of a preemption, as of the latest one taken."""
+        return self._replies.preemption
+
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
                name: str | None = None, delete_local: bool = False, asynchronous: bool = False,
                validation: dict[str, Any] | None = None, at_end: bool = False) -> None:

@@ -98,3 +98,21 @@ class StorageContext:
     storage_filesystem: Any
     storage_fs_path: str
     experiment_fs_path: str
+
+
+@dataclass(frozen=True)
+class PreemptionInfo:
+    """What `train.get_preemption_info()` returns (Ray Train V2's fields): the deadline
+    (UNIX time in milliseconds) and, for each machine that goes away (a Ray node id, or a
+    host name), the world ranks on it."""
+
+    deadline_ms: int | None
+    preempted_node_to_ranks: dict[str, list[int]]
+
+    @property
+    def preempted_node_ids(self) -> list[str]:
+        return sorted(self.preempted_node_to_ranks)
+
+    @property
+    def preempted_ranks(self) -> list[int]:
+        return sorted({r for ranks in self.preempted_node_to_ranks.values() for r in ranks})

@@ -61,6 +61,10 @@ class WorkerGroup(Protocol):
     Optional, looked up with getattr: `stacks(wait_s) -> {rank: text or None}`, every live
     rank's Python stacks (`worker.stacks.dump` where the rank runs), asked when the hang
     timeout fires, before `shutdown`; None for a rank that did not answer within `wait_s`.
+    `interrupt(ranks)`: give up the step of each rank in `ranks`, whose training loop then
+    raises `worker.preemption.StepAbandoned` where it is (a rank outside its loop ignores
+    it), when a preemption notice's deadline nears; without it, the ranks run until their
+    machine goes.
     """
 
     num_workers: int

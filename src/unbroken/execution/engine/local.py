@@ -9,6 +9,7 @@ A dead worker is noticed at once: its process sentinel is in the same wait as th
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -26,7 +27,7 @@ import cloudpickle
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.errors import WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
-from unbroken.worker import stacks
+from unbroken.worker import preemption, stacks
 from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import Done, Rejoin, from_wire, to_wire
 from unbroken.worker.runner import WorkerPayload, serve
@@ -127,6 +128,7 @@ def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     It ignores terminal signals (the driver coordinates), dies with its parent, and exits
     without running the driver's atexit handlers it inherited through fork."""
     ignore_terminal_signals()
+    preemption.arm(notify_on_sigterm=True)  # a SIGTERM to this process is a notice for the driver
     die_with_parent(parent_pid)
     # A child of the forkserver inherits "forkserver" as its start method. The loop's own
     # processes (DataLoader workers) must start as in a plain process: a forkserver of theirs
@@ -198,6 +200,12 @@ class LocalWorkerGroup:
     def kill(self, rank: int) -> None:
         if self.procs[rank].is_alive():
             self.procs[rank].kill()
+
+    def interrupt(self, ranks: set[int]) -> None:
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                if self.procs[rank].is_alive():
+                    os.kill(self.procs[rank].pid, preemption.ABANDON_SIGNAL)
 
     def _drop(self, rank: int) -> None:
         """Kill rank `rank`'s process if it still runs, and forget it."""

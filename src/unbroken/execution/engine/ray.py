@@ -37,7 +37,14 @@ from unbroken.core import shipping
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup, renumbered
-from unbroken.execution.engine.ray_actor import RankActor, connect, kill_actors, sigkill, versions
+from unbroken.execution.engine.ray_actor import (
+    RankActor,
+    abandon_step,
+    connect,
+    kill_actors,
+    sigkill,
+    versions,
+)
 from unbroken.execution.engine.ray_deaths import RankDeaths, lost_with_node
 from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
@@ -287,6 +294,13 @@ class RayWorkerGroup:
         with contextlib.suppress(Exception):  # its node is gone, with it
             ray.get(task.remote(meta["pid"]), timeout=10)
         kill_actors([self.actors[rank]])
+
+    def interrupt(self, ranks: set[int]) -> None:
+        """Give the ranks' steps up by a task on each one's node (not waited for)."""
+        for rank in ranks:
+            meta = self.metas[rank]
+            ray.remote(abandon_step).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                meta["node_id"], soft=False)).remote(meta["pid"])
 
     def _greet(self) -> None:
         conn = self._listener.accept()
