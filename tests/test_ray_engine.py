@@ -11,6 +11,7 @@ import json
 import os
 import select
 import signal
+import threading
 import time
 
 import pytest
@@ -685,6 +686,128 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "epochs": {epochs}, "jit": 
         assert len(seen[epoch]) - BASE["samples"] < 3, (epoch, seen[epoch])
         before = before_growth.get(epoch, [])
         assert len(set(before)) == len(before), "no sample twice in an epoch before the growth"
+
+
+# -- preemption --------------------------------------------------------------------------
+
+def reclaim(cluster, node_id: str) -> None:
+    """The cloud takes a drained node back: remove it without warning, unless Ray already ended
+    it (a drained node with nothing left on it exits)."""
+    node = next((n for n in cluster.list_all_nodes() if n.node_id == node_id), None)
+    if node is not None:
+        cluster.remove_node(node, allow_graceful=False)
+
+
+def test_a_drained_node_s_ranks_checkpoint_and_the_run_goes_on_without_it_bit_for_bit(
+        cluster, storage, tmp_path):
+    """Ray drains rank 1's node for preemption (a spot reclaim, 8 s ahead; node_c has joined as
+    a spare): the ranks checkpoint at their next report and stop, and the next attempt runs
+    without that node, which is removed at the deadline, as a cloud removes it, while the run
+    goes on. With max_failures=0 the run finishes (a preemption is not a failure): the first
+    attempt PREEMPTED, naming the node, each iteration once, nothing redone, and bit for bit
+    the run on the local engine that was never preempted."""
+    from ray.core.generated import autoscaler_pb2
+
+    _add_node(cluster, "node_c", cluster.node_env)
+    cluster.wait_for_nodes()
+    local = jit_run("local", storage, "drain-local")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    driver = start_script(f"""
+from test_exact_resume import BASE, exact_loop
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, "step_s": 0.5,
+                                             "pid_dir": {str(pid_dir)!r}}},
+             scaling_config=ScalingConfig(num_workers=2, engine="ray"),
+             run_config=RunConfig(name="drained", storage_path={storage!r}, verbose=0,
+                                  failure_config=FailureConfig(max_failures=0))).fit()
+""", RAY_ADDRESS=cluster.address)
+    removed = None
+    try:
+        read_until(driver, "STEP 3")
+        pid = int((pid_dir / "rank1-a1").read_text())
+        node = next(a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                    if a["Pid"] == pid and a["State"] == "ALIVE")
+        name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == node)
+        deadline = time.time() + 8
+        gcs = ray._raylet.GcsClient(address=cluster.gcs_address)
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        accepted, why = gcs.drain_node(node, reason, "spot reclaim", int(deadline * 1000))
+        assert accepted, why
+        gone = threading.Timer(deadline - time.time(), reclaim, (cluster, node))
+        gone.start()
+        removed = name
+        out, err = driver.communicate(timeout=240)
+        gone.join()
+    finally:
+        gone_too = driver.poll() is None
+        end_on_two_nodes(cluster, driver)
+        if removed not in (None, "node_c"):
+            add_back(cluster, removed)
+            cluster.wait_for_nodes()
+    assert driver.returncode == 0 and not gone_too, err[-3000:]
+    result = Result.from_path(os.path.join(storage, "drained"))
+    first, second = attempts(result)
+    assert first["status"] == "PREEMPTED", first
+    assert (first["preempted"]["source"], first["preempted"]["node"], first["preempted"]["ranks"]) == \
+        ("ray drain", node, [1])
+    assert first["preempted"]["deadline"] == pytest.approx(deadline, abs=0.01)
+    rows = result.metrics_dataframe
+    assert rows["training_iteration"].tolist() == list(range(1, len(rows) + 1)), "each iteration once"
+    last = max(i for i, a in zip(rows["training_iteration"], rows["attempt"], strict=True) if a == 1)
+    assert second["resumed_from"] == f"checkpoint_{last:06d}", "nothing redone"
+    assert int((pid_dir / "rank1-a2").read_text()) != pid
+    assert_same_run(result, local, "Ray engine, rank 1's node drained and then removed, vs local")
+
+
+def test_an_elastic_run_shrinks_off_a_drained_node_at_a_checkpoint(cluster, storage, tmp_path):
+    """num_workers=(1, 2) on node_a and node_b: Ray drains rank 1's node (no deadline: the
+    run's own grace applies). The ranks checkpoint at their next report and stop, and the next
+    attempt runs on 1 worker, not placed on the drained node (Ray refuses new actors there, and
+    the capacity count leaves it out). Each iteration once, nothing redone."""
+    from ray.core.generated import autoscaler_pb2
+
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    driver = start_script(f"""
+from test_exact_resume import BASE, exact_loop
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, "step_s": 0.3,
+                                             "pid_dir": {str(pid_dir)!r}}},
+             scaling_config=ScalingConfig(num_workers=(1, 2), engine="ray"),
+             run_config=RunConfig(name="drained-elastic", storage_path={storage!r}, verbose=0,
+                                  failure_config=FailureConfig(max_failures=0))).fit()
+""", RAY_ADDRESS=cluster.address)
+    name = None
+    try:
+        read_until(driver, "STEP 3")
+        pid = int((pid_dir / "rank1-a1").read_text())
+        node = next(a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                    if a["Pid"] == pid and a["State"] == "ALIVE")
+        name = next(k for k in ("node_a", "node_b") if node_named(k) == node)
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        accepted, why = ray._raylet.GcsClient(address=cluster.gcs_address).drain_node(
+            node, reason, "spot reclaim", 0)
+        assert accepted, why
+        _, err = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if name is not None:  # a drained node stays drained: another takes its place
+            reclaim(cluster, node)
+            add_back(cluster, name)
+            cluster.wait_for_nodes()
+    assert driver.returncode == 0, err[-3000:]
+    result = Result.from_path(os.path.join(storage, "drained-elastic"))
+    first, second = attempts(result)
+    assert (first["status"], first["num_workers"], first["preempted"]["ranks"]) == ("PREEMPTED", 2, [1])
+    assert (second["status"], second["num_workers"]) == ("FINISHED", 1), second
+    rows = result.metrics_dataframe
+    assert rows["training_iteration"].tolist() == list(range(1, len(rows) + 1)), "each iteration once"
+    last = max(i for i, a in zip(rows["training_iteration"], rows["attempt"], strict=True) if a == 1)
+    assert second["resumed_from"] == f"checkpoint_{last:06d}", "nothing redone"
 
 
 # -- sweeps --------------------------------------------------------------------------------

@@ -40,6 +40,14 @@ Invariants checked at every launch and at the end of each trial:
     StatefulDataLoader with a worker process prefetching): each rank's sample sequence
     equals the uninterrupted run's, whether a resume seeks with the rank's own saved state
     (a periodic checkpoint) or replays the pass (a just-in-time one);
+  - with --ray, a launch may drain a rank's node for preemption (6 s ahead; then the node
+    goes and a replacement joins): the run goes on without it, and never fails for it;
+  - with --jit, a launch may get a preemption notice instead of a kill (--preempt: each
+    trial's first launch does): SIGTERM to the driver at a random moment, half the time while
+    every rank's next step takes a minute, and SIGKILL at the deadline (FailureConfig's
+    sigterm_grace_s, 6 s) if the driver still runs: every round the launch recorded is
+    committed by then (at the report after the notice, or just in time), and an attempt that
+    ended by itself says PREEMPTED, with the notice;
   - a full disk fails the launch with StorageFullError, and the next launch (with room
     again) resumes;
   - a second driver started while the first holds the run fails with LeaseHeldError naming
@@ -62,7 +70,7 @@ With --sweep, the harness of sweeps runs instead (tools/sweep_harness.py: a popu
 training sweep's driver killed at random moments and at `before_trial_record`).
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
-        [--jit] [--in-place] [--data] [--elastic] [--sweep] [--strike] [--max-kills N]
+        [--jit] [--in-place] [--data] [--preempt] [--elastic] [--sweep] [--strike] [--max-kills N]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -121,12 +129,15 @@ OTHER_POINTS = ("before_replace",)
 S3_POINTS = ("after_fold", "during_copy_rename")  # steps only object stores take
 REPORT_ACTIONS = ("kill", "exit", "raise")  # --in-place: also "stop" (SIGSTOP)
 HANG_S = 6.0  # --in-place: FailureConfig.hang_timeout_s, which finds a stopped rank
+PREEMPT_GRACE_S = 6.0  # --jit: FailureConfig.sigterm_grace_s; a preempted driver is SIGKILLed then
+DRAIN_S = 6.0  # --ray: a drained node goes this long after its drain
 MAX_KILLS = 4
 UPLOAD_MODE = {False: CheckpointUploadMode.SYNC, True: CheckpointUploadMode.ASYNC}
 ASYNC_SAVES = [False]  # --async: the loop's checkpoints are written in the background
 JIT = [False]  # --jit: the loop's state is a TrainState with just-in-time checkpoints
 IN_PLACE = [False]  # --in-place: --jit, and a failed rank is replaced while the others stay
 DATA = [False]  # --data: --jit, and the loop reads a streaming loader (per-rank position)
+PREEMPT = [False]  # --preempt: --jit, and each trial's first launch gets a preemption notice (--ray: a drain)
 ELASTIC = [False]  # --elastic: num_workers=(2, 3) on a 3-node Ray cluster that loses and regains nodes
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
@@ -303,6 +314,8 @@ def jit_loop(config: dict) -> None:
                 f.write(json.dumps({"attempt": ctx.get_attempt(), "loaded": "peer", "in_loop": True,
                                     "rank": rank, "iteration": state.iteration, "intact": True}) + "\n")
         time.sleep(config.get("step_s", 0.0))  # elastic: long enough for a node to join and a resize
+        if os.path.exists(config["log"] + ".stall"):  # a preemption while every rank's step is long
+            time.sleep(60)
         xs, ys, ids = x, y, None
         if batches is not None:
             batch = next(batches)
@@ -346,6 +359,8 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
         scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1},
                                 elastic_resize_monitor_interval_s=1.0)
         config.update(samples=240, on_request=True, step_s=0.3)
+    elif PREEMPT[0] and os.environ.get("RAY_ADDRESS"):  # a drain lands while the ranks train
+        config.update(step_s=0.2)
     config.update(in_loop=loops_stay(log), data=DATA[0])
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
@@ -356,7 +371,8 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
                              failure_config=FailureConfig(
                                  max_failures=2 if IN_PLACE[0] else 0,
                                  recovery="in_place" if IN_PLACE[0] else "checkpoint",
-                                 hang_timeout_s=HANG_S if IN_PLACE[0] else None)))
+                                 hang_timeout_s=HANG_S if IN_PLACE[0] else None,
+                                 sigterm_grace_s=PREEMPT_GRACE_S)))
 
 
 def _driver(storage: str, name: str, log: str, how: str, fault: str | None, fault_log: str,
@@ -481,6 +497,9 @@ class Harness:
             return "none", None, None
         if self.strike and kills == 0:
             return self.report_fault()
+        if PREEMPT[0] and kills == 0:  # with --ray: a drained node; while the ranks train
+            delay = self.rng.uniform(0.2, 0.8) * self.duration
+            return ("preempt" if self.cluster is None else "drain"), None, delay
         if ELASTIC[0] and self.rng.random() < 0.35:  # the cluster shrinks (a node lost for good) or grows
             delay = self.rng.uniform(0, self.duration)
             if self.cluster.nodes == 3:
@@ -509,9 +528,12 @@ class Harness:
         delay = self.rng.uniform(0, self.duration)
         if r < 0.78:  # half of them start the second driver at the same moment as the first
             return "second-driver", None, delay if self.rng.random() < 0.5 else 0.0
-        if r < 0.85:
-            return "kill-driver", None, delay
-        return ("lose-node" if self.cluster is not None and r < 0.92 else "kill-worker"), None, delay
+        if r < 0.85:  # --jit: half of them a preemption notice instead
+            preempt = JIT[0] and self.cluster is None and self.rng.random() < 0.5
+            return ("preempt" if preempt else "kill-driver"), None, delay
+        if self.cluster is not None and r < 0.95:  # a node lost without warning, or drained first
+            return ("lose-node" if r < 0.9 else "drain"), None, delay
+        return "kill-worker", None, delay
 
     def report_fault(self) -> tuple[str, str, None]:
         """Every rank, or one, raises, exits or is SIGKILLed (--in-place: or stopped) right
@@ -590,6 +612,13 @@ class Harness:
             elif kind == "add-node":  # a run at 2 workers grows at its next check
                 self.cluster.add_node()
                 self.counts["nodes added"] += 1
+            elif proc.is_alive() and kind == "drain":
+                struck = self.drain(proc, log)
+                kills += struck is not None
+            elif proc.is_alive() and kind == "preempt":
+                self.preempt(proc, log)
+                kills += 1
+                struck = "preempt"
             elif proc.is_alive() and kind != "second-driver":
                 victim = proc.pid
                 if kind == "kill-worker":
@@ -625,6 +654,11 @@ class Harness:
                         self.violations.append(f"trial {index} launch {launch}: the disk filled up, "
                                                f"but the run failed with {result}")
             self.check_launch(path, log, before, attempts_before, result, injected, index, launch)
+            if struck == "drain" and result.startswith("failed"):
+                self.violations.append(f"trial {index} launch {launch}: a node drained for preemption "
+                                       f"failed the run: {result}")
+            if struck == "preempt" and result != "finished":
+                self.check_preempted(path, attempts_before, result, f"trial {index} launch {launch}")
             if injected == "after_report":
                 self.check_reported_round(path, before, fault, attempts_before,
                                           f"trial {index} launch {launch}")
@@ -633,6 +667,55 @@ class Harness:
                 self.check_finished(path, index)
                 return
         self.violations.append(f"trial {index}: the run did not finish after {self.max_kills + 3} launches")
+
+    def preempt(self, proc: Any, log: str) -> None:
+        """A preemption notice: SIGTERM to the driver, half the time while every rank's next
+        step takes a minute (so that no report comes before the deadline); at the deadline,
+        the machine goes (the driver SIGKILLed, its workers with it)."""
+        stall = log + ".stall"
+        if self.rng.random() < 0.5:
+            open(stall, "w").close()
+            self.counts["preempted: in a long step"] += 1
+        with contextlib.suppress(ProcessLookupError):  # it may have just finished
+            os.kill(proc.pid, signal.SIGTERM)
+        self.counts["preempted"] += 1
+        proc.join(PREEMPT_GRACE_S)
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            self.counts["preempted: still running at the deadline"] += 1
+        proc.join()
+        if os.path.exists(stall):
+            os.remove(stall)
+
+    def drain(self, proc: Any, log: str) -> str | None:
+        """Ray drains the node of one of the run's ranks for preemption, DRAIN_S ahead; at the
+        deadline the node goes and a replacement joins. The run goes on without it (a
+        preemption is not a failure: max_failures is 0). Returns "drain", or None when no
+        rank was running."""
+        workers = self.workers(proc.pid, log)
+        node = self.cluster.drain(self.rng.choice(workers), DRAIN_S) if workers else "-"
+        if node == "-":
+            return None
+        self.counts["nodes drained"] += 1
+        proc.join(DRAIN_S)
+        self.cluster.reclaim(node)
+        return "drain"
+
+    def check_preempted(self, path: str, attempts_before: int, result: str, where: str) -> None:
+        """A preempted launch committed every round it recorded before the deadline (at the
+        report after the notice, or just in time), and its attempt says PREEMPTED."""
+        rows = [r for r in read_rows(Storage.from_url(path)) if r.get("attempt", 0) > attempts_before]
+        last = max((r["training_iteration"] for r in rows), default=None)
+        newest = newest_committed(path, self.violations)
+        if last is not None and (newest is None or commit.iteration_of(newest) != last):
+            self.violations.append(f"{where}: preempted after recording round {last}, and the newest "
+                                   f"committed checkpoint is {newest}")
+        attempt = ((read_manifest(path) or {}).get("attempts") or [{}])[-1]
+        if result != "killed" and attempt.get("number", 0) > attempts_before:
+            if attempt.get("status") != "PREEMPTED" or not attempt.get("preempted"):
+                self.violations.append(f"{where}: a preempted launch ended {result!r} with its attempt "
+                                       f"{attempt.get('status')}")
+            self.counts["preempted: stopped by itself"] += 1
 
     def start_second(self, first: Any, storage: str, name: str, log: str, exists: bool) -> Any | None:
         """Start a second driver of the run now (restore, or where the run may not exist yet,
@@ -695,8 +778,15 @@ class Harness:
             jit = attempt.get("jit_checkpoint")
             if jit:
                 self.counts["jit: saved" if jit["iteration"] else "jit: fell back"] += 1
+                if attempt.get("preempted") and jit["iteration"]:
+                    self.counts["preempted: saved just in time"] += 1
+                elif attempt.get("preempted"):
+                    self.counts[f"preempted: fell back: {re.sub(r'[0-9]+', 'N', jit['why_not'])}"] += 1
             if attempt["status"] == "RESIZED":
                 self.counts["resizes"] += 1
+            if attempt["status"] == "PREEMPTED":
+                went_on = attempt is not new[-1]
+                self.counts["preempted: went on" if went_on else "preempted: ended the launch"] += 1
             if attempt.get("in_place"):
                 self.check_in_place(path, log, previous, attempt, where)
                 after = (previous or {}).get("error") or ""
@@ -714,7 +804,8 @@ class Harness:
         if new and new[0]["resumed_from"] != before:
             self.violations.append(f"{where}: attempt {new[0]['number']} resumed from "
                                    f"{new[0]['resumed_from']}, the newest committed was {before}")
-        going_on = ("RESIZED", "ERRORED") if IN_PLACE[0] else ("RESIZED",)  # --in-place: max_failures 2
+        # --in-place: max_failures 2; a preemption (a drained node) is not a failure
+        going_on = ("RESIZED", "PREEMPTED", "ERRORED") if IN_PLACE[0] else ("RESIZED", "PREEMPTED")
         if any(a["status"] not in going_on for a in new[:-1]):
             self.violations.append(f"{where}: a launch went on after an attempt that was not a resize: "
                                    f"{[a['status'] for a in new]}")
@@ -972,6 +1063,15 @@ class RayCluster:
         self.nodes += 1
         return self._ask("add")
 
+    def drain(self, pid: int, seconds: float) -> str:
+        """Drain the node running process `pid` for preemption, `seconds` ahead; returns its id
+        ("-": no node runs `pid`)."""
+        return self._ask(f"drain {pid} {seconds}")
+
+    def reclaim(self, node_id: str) -> None:
+        """The deadline of a drain: the node goes, a replacement joins."""
+        self._ask(f"reclaim {node_id}")
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
@@ -1029,6 +1129,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the runs on an S3-compatible server (moto) started on loopback")
     parser.add_argument("--max-kills", type=int, default=MAX_KILLS,
                         help=f"faults per trial at most (default {MAX_KILLS})")
+    parser.add_argument("--preempt", action="store_true",
+                        help="--jit, beginning each trial with a preemption notice at a random moment: "
+                             f"SIGTERM to the driver with a {PREEMPT_GRACE_S:.0f} s grace, half the time "
+                             "while every rank is in a long step; SIGKILL at the deadline (with --ray: "
+                             f"a drain of a rank's node, {DRAIN_S:.0f} s ahead, which goes then)")
     parser.add_argument("--strike", action="store_true",
                         help="begin each trial with a fault that always strikes (a rank dying "
                              "right after a report), then random ones")
@@ -1064,7 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
                                    *(["--seed", str(args.seed)] if args.seed is not None else [])])
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves
-    JIT[0] = args.jit or args.in_place or args.data
+    JIT[0] = args.jit or args.in_place or args.data or args.preempt
+    PREEMPT[0] = args.preempt
     DATA[0] = args.data
     IN_PLACE[0] = args.in_place
     ELASTIC[0] = args.elastic

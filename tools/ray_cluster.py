@@ -11,6 +11,10 @@ Then reads commands from stdin, one per line, and answers each with one line:
   lose PID   remove the worker node that runs process PID (a Ray worker: its parent is that
              node's raylet) without warning, add a replacement -> "lost <node id>" ("lost -":
              no node runs it)
+  drain PID S  drain the worker node that runs process PID for preemption, with a deadline S
+             seconds ahead (as a cloud's spot reclaim does) -> "drained <node id>" ("drained -")
+  reclaim ID   the deadline: remove node ID without warning (unless Ray ended it already, as a
+             drained node with nothing left on it does), add a replacement -> "reclaimed <ID>"
 Ends (and shuts the cluster down) when stdin closes.
 """
 
@@ -46,6 +50,19 @@ def main() -> int:
                 if command == "lose":
                     workers.append(cluster.add_node(num_cpus=1, object_store_memory=80 * MB))
                 print("lost" if command == "lose" else "removed", node.node_id, flush=True)
+            elif command == "drain":
+                pid, _, seconds = pid.partition(" ")
+                node = _running(workers, pid)
+                if node is not None:
+                    _drain(cluster, node.node_id, float(seconds))
+                print("drained", node.node_id if node is not None else "-", flush=True)
+            elif command == "reclaim":
+                node = next((n for n in workers if n.node_id == pid), None)
+                if node is not None:
+                    workers.remove(node)
+                    cluster.remove_node(node, allow_graceful=False)
+                    workers.append(cluster.add_node(num_cpus=1, object_store_memory=80 * MB))
+                print("reclaimed", pid, flush=True)
             elif command == "add":
                 workers.append(cluster.add_node(num_cpus=1, object_store_memory=80 * MB))
                 print("added", workers[-1].node_id, flush=True)
@@ -54,6 +71,18 @@ def main() -> int:
             ray.shutdown()
         cluster.shutdown()
     return 0
+
+
+def _drain(cluster, node_id: str, seconds: float) -> None:
+    import time
+
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    deadline_ms = int((time.time() + seconds) * 1000)
+    gcs = ray._raylet.GcsClient(address=cluster.gcs_address)
+    gcs.drain_node(node_id, reason, "spot reclaim", deadline_ms)
 
 
 def _running(workers: list, pid: str):

@@ -90,6 +90,32 @@ def test_random_kills_with_recovery_in_place():
     assert report.get("in place: recoveries", 0) >= 1, report
 
 
+def test_preemption_notices_at_random_moments_commit_every_recorded_round():
+    # SIGTERM to the driver with a 6 s grace at a random moment, half the time while every
+    # rank's next step takes a minute (no report comes in time: the ranks give the step up and
+    # the last round is saved just in time); the driver is SIGKILLed at the deadline. The
+    # harness checks that every round the launch recorded is committed and the attempt says
+    # PREEMPTED; then random kills as usual.
+    report = run_harness(3, "--preempt")
+    check(report, 3, commit_kills=0, restores=1)
+    assert report.get("preempted", 0) >= 1, report
+
+
+@pytest.mark.slow  # 55 s; the default run drains a node in test_ray_engine
+def test_drained_nodes_on_a_ray_cluster_never_fail_the_run():
+    # Each trial's first launch drains a rank's node for preemption, 6 s ahead, then the node
+    # goes and a replacement joins: the run goes on without it and never fails for it.
+    pytest.importorskip("ray")
+    report = run_harness(3, "--ray", "--preempt")
+    check(report, 3, commit_kills=0, restores=0)
+    assert report.get("preempted: went on", 0) >= 1, report
+
+
+@pytest.mark.slow
+def test_preemption_notices_soak():
+    check(run_harness(60, "--preempt"), 60, commit_kills=0)
+
+
 @pytest.mark.slow
 def test_random_kills_with_recovery_in_place_soak():
     check(run_harness(150, "--in-place"), 150, restores=50)

@@ -142,14 +142,17 @@ class FailureConfig:
     has completed two report rounds, then `AUTO_HANG_FACTOR` times the longest time between
     two of its rounds so far, and never under `AUTO_HANG_MIN_S`.
 
-    Preemption (see `unbroken.execution.notices`): a notice that the run's machine goes away
+    Preemption (see `unbroken.execution.notices`): a notice that machines of the run go away
     at a deadline commits a checkpoint before it and stops the attempt as PREEMPTED, which is
-    not a failure. Notices are a SIGTERM or SIGINT to the driver or to a local worker process,
-    with `sigterm_grace_s` left before the kill (Kubernetes' terminationGracePeriodSeconds,
-    30 s by default); and, only when `preemption_notices` names the cloud ("aws", "gce"; or
-    the UNBROKEN_PREEMPTION_NOTICES environment variable), the provider's spot notice, polled
-    from its metadata endpoint. Ray Train V2's `max_preemption_failures` (-1: unlimited, the
-    default) bounds the preemptions a run goes on after, apart from `max_failures`; its
+    not a failure. Notices are a SIGTERM to the driver or to a local worker process, with
+    `sigterm_grace_s` left before the kill (Kubernetes' terminationGracePeriodSeconds, 30 s by
+    default); a Ray node drain (the Ray engine); and, only when `preemption_notices` names the
+    cloud ("aws", "gce"; or the UNBROKEN_PREEMPTION_NOTICES environment variable), the
+    provider's spot notice, polled from the driver machine's metadata endpoint. A notice for
+    the driver's machine ends the run (INTERRUPTED); after a drain the run goes on without
+    the node, and Ray Train V2's `max_preemption_failures` (-1: unlimited, the default)
+    bounds how many preempted attempts of one fit() it goes on after, apart from
+    `max_failures`; its
     `controller_failure_limit` is accepted so that V2 scripts run unchanged, and has no
     effect: the controller is the driver process itself (a killed driver's run continues when
     the script runs again, or under `unbroken run`). `fail_fast` (V1) raises at the first failure;

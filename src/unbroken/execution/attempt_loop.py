@@ -27,7 +27,7 @@ from unbroken.execution import controller_state as states
 from unbroken.execution.collective_calls import CollectiveCalls
 from unbroken.execution.elastic import ElasticScaler
 from unbroken.execution.engine.base import WorkerGroup, send_each
-from unbroken.execution.notices import MetadataWatch, Notice, machine_notice
+from unbroken.execution.notices import DrainWatch, MetadataWatch, Notice, machine_notice
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.recovery import Failures, Recovery
 from unbroken.execution.report_pipeline import ReportPipeline, Round
@@ -94,6 +94,7 @@ class AttemptLoop:
         self.collectives = CollectiveCalls(num_workers)
         self.failures: Failures = []  # (rank, its error or WorkerDied), in the order they happened
         self.round_gaps = RoundGaps()  # for an automatic hang bound
+        self.drains = DrainWatch()  # on Ray: the nodes drained for preemption
 
     def drive(self) -> None:
         """Take messages until every rank is done; raise the attempt's failure, if any.
@@ -109,8 +110,10 @@ class AttemptLoop:
                 hang_s = self.run_config.failure_config.hang_bound(self.round_gaps.longest)
                 self.run.lease.beat()
                 signals = self._take_signals(signals)
-                if (spot := self.spot.take()) is not None:
-                    self._preempt(spot)
+                grace = self.run_config.failure_config.sigterm_grace_s
+                for notice in [self.spot.take(), *self.drains.take(group, time.monotonic(), grace)]:
+                    if notice is not None:
+                        self._preempt(notice)
                 if self.elastic is not None and isinstance(self.state(), states.Running) and not failures:
                     self._grow_when_possible()
                 now = time.monotonic()
@@ -176,17 +179,16 @@ class AttemptLoop:
 
     def _preempt(self, notice: Notice, signal: str | None = None) -> None:
         """A preemption notice: ask for a checkpoint at the next report and a stop after it
-        (STOPPING; a resize under way becomes this stop); of several, the earliest deadline
-        holds."""
+        (STOPPING; a resize under way becomes this stop); several become one (`Notice.merged`)."""
         state = self.state()
         if isinstance(state, states.Stopping) and state.notice is not None:
-            earlier = notice if notice.deadline < state.notice.deadline else state.notice
-            self.transition(dataclasses.replace(state, notice=earlier, signal=state.signal or signal))
+            self.transition(dataclasses.replace(state, notice=state.notice.merged(notice),
+                                                signal=state.signal or signal))
             return
         self.transition(states.Stopping(self.run.attempt.number, signal, notice=notice))
         again = " (send the signal again to stop at once)" if signal else ""
         log.warning("run %s: preemption notice (%s): the workers checkpoint at their next report, then "
-                    "stop; the machine goes in %.0f s%s", self.run.path, notice.source,
+                    "stop; %s goes in %.0f s%s", self.run.path, notice.source, notice.node,
                     notice.deadline - time.time(), again)
 
     def _preempting(self) -> bool:
@@ -203,7 +205,8 @@ class AttemptLoop:
         left = state.notice.abandon_at - now
         if left > 0:
             return left
-        ranks = sorted(self.rounds.running)
+        running, named = self.rounds.running, state.notice.ranks
+        ranks = sorted(running if named is None else set(named) & running)
         log.warning("run %s: rank(s) %s did not report since the preemption notice, %.1f s before its "
                     "deadline: they give their step up, and the last report round is saved just in time",
                     self.run.path, ranks, state.notice.deadline - now)

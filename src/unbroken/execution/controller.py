@@ -137,7 +137,9 @@ class Controller:
             loop.drive()
         except BaseException as error:
             if group is not None:
-                self._recovery.hand_back(group, error, loop.failures if loop else [], self._placements)
+                failures = loop.failures if loop else []
+                preempted = isinstance(self.state, states.Stopping) and self.state.notice is not None
+                self._recovery.hand_back(group, error, failures, self._placements, preempted)
             if isinstance(error, LeaseLostError):
                 raise  # the run belongs to another driver now: write nothing more to it
             if self._gives_up(error, attempt):
@@ -151,6 +153,8 @@ class Controller:
         group.shutdown()
         if isinstance(self.state, states.Stopping) and self.state.stopped:
             if self.state.resize_to is None:
+                if self._preempted():
+                    return False
                 self._interrupted()
             self.run.end_attempt(mf.RESIZED)
             faults.point("after_resize_stop")  # crash tests: between the two attempts of a resize
@@ -198,7 +202,10 @@ class Controller:
         """Close failed attempt `attempt`; ask the failure policy: False to restart, True (run closed)
         to raise `error`. Raises TrainingInterruptedError when a second signal stopped the workers,
         or when the attempt ended for a preemption notice (its ranks gave their step up, or
-        failed, once the notice came): a preemption is not a failure."""
+        failed, once the notice came): a preemption is not a failure, and where the notice named
+        some ranks' nodes only, the run goes on (False)."""
+        if self._preempted(error):
+            return False
         if isinstance(self.state, states.Interrupted) or (
                 isinstance(self.state, states.Stopping) and self.state.notice is not None):
             self._interrupted()
@@ -213,6 +220,30 @@ class Controller:
         self._transition(states.Errored(error))
         status = mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED
         record_safely(self.run, self.run.finish, status)
+        return True
+
+    def _preempted(self, error: BaseException | None = None) -> bool:
+        """An attempt stopped for a preemption notice that named some of its ranks' nodes (a Ray
+        drain), cleanly or failing once the notice came: end it PREEMPTED and go on without those
+        nodes, unless `max_preemption_failures` attempts of this fit() were preempted already.
+        False where the run stops instead (`_interrupted`): a notice for the driver's machine."""
+        state, attempt = self.state, self.run.attempt
+        if not isinstance(state, states.Stopping) or state.notice is None or state.notice.ranks is None:
+            return False
+        limit = self.run_config.failure_config.max_preemption_failures
+        before = sum(a.status == mf.PREEMPTED and a.fit_started_at == attempt.fit_started_at
+                     for a in self.run.manifest.attempts)
+        if limit != -1 and before >= limit:
+            log.warning("run %s: %d attempts of this fit() were preempted, the most "
+                        "FailureConfig(max_preemption_failures=%d) goes on after", self.run.path, before,
+                        limit)
+            return False
+        attempt.preempted = state.notice.record()
+        record_safely(self.run, self.run.end_attempt, mf.PREEMPTED, error)
+        self._transition(states.Preempted(attempt.number, state.notice))
+        log.warning("run %s: attempt %d preempted (%s, node %s, rank(s) %s); the next attempt runs without "
+                    "that node", self.run.path, attempt.number, state.notice.source, state.notice.node,
+                    list(state.notice.ranks))
         return True
 
     def _interrupted(self) -> None:

@@ -6,10 +6,14 @@ between them only through `Controller._transition`, which checks each move with
 
 - Starting -> Running -> Finished: an attempt starts its workers, which run to the end (also
   from Stopping, when they end before the checkpoint asked for).
-- Running -> Stopping -> Interrupted: a preemption notice (a first SIGTERM/SIGINT, a spot
-  notice) asks the workers for a checkpoint, then stops them (a second signal stops them at
-  once, from Running or Stopping); near its deadline they give their step up, and the
-  last report round is saved just in time (Stopping -> Interrupted through the failure).
+- Running -> Stopping -> Interrupted: a first SIGINT, or a preemption notice for the driver's
+  machine (a SIGTERM, a spot notice), asks the workers for a checkpoint, then stops them (a
+  second signal stops them at once, from Running or Stopping); near a notice's deadline they
+  give their step up, and the last report round is saved just in time (Stopping ->
+  Interrupted through the failure).
+- Running -> Stopping -> Preempted -> Starting: a notice for some ranks' nodes (a Ray drain):
+  the same checkpoint and stop (or the failure near the deadline), and the next attempt
+  runs without those nodes.
 - Running -> Stopping -> Resizing -> Starting: an elastic run can grow; the workers checkpoint
   at their next report and stop, and the next attempt starts larger (not a failure).
 - Starting, Running or Stopping -> Restarting -> Starting: a failure the policy retries.
@@ -108,6 +112,16 @@ class Resizing(ControllerState):
 
 
 @dataclass(frozen=True)
+class Preempted(ControllerState):
+    """Attempt `attempt` stopped for `notice`, which named some of its ranks' nodes (a Ray
+    drain): not a failure; the next attempt starts without those nodes."""
+
+    name: ClassVar[str] = "PREEMPTED"
+    attempt: int
+    notice: Notice
+
+
+@dataclass(frozen=True)
 class Finished(ControllerState):
     """The training loop returned on every rank; the run is FINISHED."""
 
@@ -146,8 +160,9 @@ class Errored(ControllerState):
 _NEXT: dict[type[ControllerState], tuple[type[ControllerState], ...]] = {
     Starting: (Starting, Running, Restarting, Errored, Interrupted),
     Running: (Stopping, Finished, Restarting, Errored, Interrupted),
-    Stopping: (Stopping, Finished, Restarting, Errored, Interrupted, Resizing),
+    Stopping: (Stopping, Finished, Restarting, Errored, Interrupted, Resizing, Preempted),
     Restarting: (Starting, Interrupted),
+    Preempted: (Starting, Interrupted),
     Resizing: (Starting, Interrupted),
     Finished: (),
     Interrupted: (),

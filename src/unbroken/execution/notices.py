@@ -1,8 +1,9 @@
 """Preemption notices: word that machines of the run go away at a deadline, and from where.
 
 A notice comes from
-- a terminal signal to the driver (SIGTERM, SIGINT), or a SIGTERM to a local worker process
-  (that rank's `Notice` message): the machine goes `FailureConfig.sigterm_grace_s` later;
+- a SIGTERM to the driver, or to a local worker process (that rank's `Terminating` message):
+  the machine goes `FailureConfig.sigterm_grace_s` later (a SIGINT is an interrupt, no notice);
+- a Ray node drain (the Ray engine, `DrainWatch`): the node's ranks, by the drain's deadline;
 - the cloud's spot notice, polled from the metadata endpoint of the driver's machine, only
   when asked (`FailureConfig(preemption_notices="aws"|"gce")` or the environment variable
   `UNBROKEN_PREEMPTION_NOTICES`): AWS's `spot/instance-action` (its `time` is the deadline),
@@ -12,7 +13,8 @@ A notice comes from
 What follows is the attempt loop's business: the attempt stops at a checkpoint (STOPPING),
 the ranks that have not reported in time give their step up (`abandon_at`) so that one of
 them saves the last report round just in time, and the attempt ends PREEMPTED, which is not
-a failure.
+a failure. A notice for the driver's machine ends the run (INTERRUPTED, to be continued
+elsewhere); one for some of its ranks' nodes (a drain) starts the next attempt without them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 NOTICES_ENV = "UNBROKEN_PREEMPTION_NOTICES"
 METADATA_URL_ENV = "UNBROKEN_METADATA_URL"
 METADATA_POLL_S = 2.0
+DRAIN_POLL_S = 1.0  # how often a run on Ray asks which of its nodes are drained
 GCE_NOTICE_S = 30.0  # GCE stops a preempted VM this long after its notice
 # A rank still in its step this share of the notice period before the deadline gives the
 # step up, so that the last report round is saved in time (at least ABANDON_MIN_S before).
@@ -62,6 +65,13 @@ class Notice:
         return {"source": self.source, "received_at": self.received_at, "deadline": self.deadline,
                 "node": self.node, "ranks": list(self.ranks) if self.ranks is not None else None}
 
+    def merged(self, other: Notice) -> Notice:
+        """This notice and `other` as one: the earlier deadline, every rank of either."""
+        first, second = sorted((self, other), key=lambda n: n.deadline)
+        ranks = None if None in (self.ranks, other.ranks) else tuple(sorted({*self.ranks, *other.ranks}))
+        node = first.node if first.node == second.node else f"{first.node}, {second.node}"
+        return Notice(first.source, first.received_at, first.deadline, node, ranks)
+
     def info(self, num_workers: int) -> dict[str, Any]:
         """What `train.get_preemption_info()` tells the loop (Ray V2's PreemptionInfo fields)."""
         ranks = list(self.ranks) if self.ranks is not None else list(range(num_workers))
@@ -71,6 +81,28 @@ class Notice:
 def machine_notice(source: str, at: float, grace_s: float) -> Notice:
     """A notice for this machine, every rank on it (a signal to the driver or a local worker)."""
     return Notice(source, at, at + grace_s, socket.gethostname())
+
+
+class DrainWatch:
+    """One attempt's Ray node drains, asked of its group (`draining()`, on the Ray engine) at
+    most every DRAIN_POLL_S; `take` returns a notice for each newly drained node's ranks (a
+    drain without a deadline gets `grace_s`)."""
+
+    def __init__(self) -> None:
+        self._due = 0.0
+        self._seen: set[str] = set()
+
+    def take(self, group: Any, now: float, grace_s: float) -> list[Notice]:
+        draining = getattr(group, "draining", None)
+        if draining is None or now < self._due:
+            return []
+        self._due = now + DRAIN_POLL_S
+        at, notices = time.time(), []
+        for node, (deadline, ranks) in draining().items():
+            if node not in self._seen:
+                self._seen.add(node)
+                notices.append(Notice("ray drain", at, deadline or at + grace_s, node, tuple(ranks)))
+        return notices
 
 
 class MetadataWatch:

@@ -131,14 +131,17 @@ class Recovery:
         self.plan = in_place.shrunk(plan, failures, min_workers)
 
     def hand_back(self, group: WorkerGroup, error: BaseException, failures: Failures,
-                  placements: list[Placement]) -> None:
+                  placements: list[Placement], preempted: bool = False) -> None:
         """The attempt on `group` failed with `error`: keep its ranks for a recovery in place,
-        or shut it down (keeping what it warmed up); tell an elastic run which nodes it lost."""
+        or shut it down (keeping what it warmed up, unless `preempted`: spares may sit on a
+        node that goes); tell an elastic run which nodes it lost."""
         if self.plan is not None:
             self._rejoin = (group, self.plan)
         else:
             if isinstance(error, WorkerHangError):  # where each rank was, before teardown
                 record_safely(self.run, hang_stacks.capture, self.run, group, error)
+            if preempted:
+                self._cold = True
             self._shut_down(group, failures)
         if self.elastic is not None:
             self.elastic.failed([(placements[r].node_id, bool(e.node_lost))

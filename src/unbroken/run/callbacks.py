@@ -166,7 +166,8 @@ class Callback:
         """A checkpoint committed; `metrics` is the row of its iteration."""
 
     def on_attempt_end(self, run: RunInfo, status: str, error: BaseException | None) -> None:
-        """An attempt ended as FINISHED, ERRORED or INTERRUPTED (with its error, if any)."""
+        """An attempt ended as FINISHED, ERRORED, INTERRUPTED, PREEMPTED or RESIZED (with its
+        error, if any)."""
 
     def on_run_end(self, run: RunInfo, status: str) -> None:
         """fit() is about to return or raise; the run is FINISHED, ERRORED or INTERRUPTED."""

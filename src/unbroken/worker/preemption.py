@@ -29,7 +29,7 @@ from unbroken.worker.protocol import Terminating
 
 ABANDON_SIGNAL = signal.SIGUSR2
 _armed_pid: list[int] = []  # the process whose handlers act
-_in_loop: list[bool] = [False]
+_in_loop: list[int | None] = [None]  # the thread running the training loop, while it runs
 
 
 class StepAbandoned(BaseException):
@@ -48,17 +48,18 @@ def arm(notify_on_sigterm: bool) -> None:
 
 @contextlib.contextmanager
 def in_training_loop() -> Iterator[None]:
-    """While the user's training loop runs: the part a step may be abandoned in."""
-    _in_loop[0] = True
+    """While the user's training loop runs: the part a step may be abandoned in (only where it
+    runs in the main thread, where Python runs signal handlers)."""
+    _in_loop[0] = threading.get_ident()
     try:
         yield
     finally:
-        _in_loop[0] = False
+        _in_loop[0] = None
 
 
 def _abandon(signum: int, frame: FrameType | None) -> None:
-    if _armed_pid == [os.getpid()] and _in_loop[0]:
-        _in_loop[0] = False  # once: the loop's way out (its finally blocks, the offer) runs unhindered
+    if _armed_pid == [os.getpid()] and _in_loop[0] == threading.get_ident():
+        _in_loop[0] = None  # once: the loop's way out (its finally blocks, the offer) runs unhindered
         raise StepAbandoned("the driver gave this rank's step up: the machine is preempted before the "
                             "step could end; the last report round is saved just in time instead")
 

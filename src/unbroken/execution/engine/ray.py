@@ -36,15 +36,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from unbroken.core import shipping
 from unbroken.core.config import ScalingConfig
 from unbroken.errors import InsufficientResourcesError, VersionMismatchError, WorkerDied
+from unbroken.execution.engine import ray_drains
 from unbroken.execution.engine.base import Event, Placement, Wakeup, renumbered
-from unbroken.execution.engine.ray_actor import (
-    RankActor,
-    abandon_step,
-    connect,
-    kill_actors,
-    sigkill,
-    versions,
-)
+from unbroken.execution.engine.ray_actor import RankActor, connect, kill_actors, sigkill, versions
 from unbroken.execution.engine.ray_deaths import RankDeaths, lost_with_node
 from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
@@ -296,11 +290,10 @@ class RayWorkerGroup:
         kill_actors([self.actors[rank]])
 
     def interrupt(self, ranks: set[int]) -> None:
-        """Give the ranks' steps up by a task on each one's node (not waited for)."""
-        for rank in ranks:
-            meta = self.metas[rank]
-            ray.remote(abandon_step).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                meta["node_id"], soft=False)).remote(meta["pid"])
+        ray_drains.interrupt(self.metas, ranks)
+
+    def draining(self) -> dict[str, tuple[float | None, list[int]]]:
+        return ray_drains.draining(self.metas)
 
     def _greet(self) -> None:
         conn = self._listener.accept()

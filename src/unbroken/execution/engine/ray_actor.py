@@ -121,7 +121,7 @@ class RankActor:
         no_delay(conn)
         conn.send(("hello", rank))
         stacks.arm()
-        preemption.arm(notify_on_sigterm=False)  # Ray owns SIGTERM here; drains are the notices
+        preemption.arm(notify_on_sigterm=False)  # Ray owns SIGTERM here; node drains are the notices
         try:
             return type(serve(work, PipeChannel(conn))).__name__
         finally:
@@ -148,12 +148,6 @@ def why_died(rank: int, error: BaseException, meta: dict[str, Any]) -> WorkerDie
 def sigkill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-
-
-def abandon_step(pid: int) -> None:
-    """Give up the step of the rank in process `pid` (`worker.preemption`)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, preemption.ABANDON_SIGNAL)
 
 
 def kill_actors(actors: list[Any]) -> None:

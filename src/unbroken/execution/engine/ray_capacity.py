@@ -3,8 +3,8 @@
 
 Counted from the nodes Ray reports alive, and from what each has free: a lost node's
 resources, which Ray may go on counting until its health checks give up on it, are left out
-as soon as the controller has seen it lose ranks, and so are the slots that placement groups
-still pending are about to take.
+as soon as the controller has seen it lose ranks, a node drained for preemption (it refuses
+new actors) too, and so are the slots that placement groups still pending are about to take.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class RayCapacity:
     def __call__(self, lost_nodes: set[str], limit: int) -> int:
         connect()
         alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")} - lost_nodes
+        alive -= set(ray_state.state.get_draining_nodes())
         free = ray_state.available_resources_per_node()
         slots = sum(self._fit(free[node]) for node in alive if node in free)
         return max(0, min(slots - self._pending(), limit))
