@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from fake_group import HANG, SIGTERM_DRIVER, SLOW, FakeWorkerGroup, die, raise_, report
+from fake_group import HANG, SIGTERM_DRIVER, SLOW, FakeWorkerGroup, call, die, raise_, report
 from unbroken.errors import ReportMismatchError, TrainingInterruptedError, WorkerError, WorkerHangError
 from unbroken.execution.controller import Controller
 from unbroken.execution.controller_state import Errored, Finished
@@ -36,7 +36,9 @@ class Harness:
             never_called, scaling_config=ScalingConfig(num_workers=len(self.attempts[0])),
             run_config=RunConfig(name="run", storage_path=storage,
                                  failure_config=FailureConfig(max_failures=max_failures, **{
-                                     k: run_config.pop(k) for k in ("hang_timeout_s",) if k in run_config}),
+                                     k: run_config.pop(k) for k in ("hang_timeout_s",
+                                                                    "max_preemption_failures")
+                                     if k in run_config}),
                                  **run_config))
         self.run, _ = open_run(trainer)
         self.controller = Controller(trainer, self.run, "restore(...)", group_factory=self.group)
@@ -206,3 +208,47 @@ def test_a_second_signal_while_the_first_is_being_logged_stops_at_once(storage):
     assert "checkpoint_000001" in str(info.value)
     assert h.groups[0].shut_down is True, "the second signal kills the group at once"
     assert h.manifest()["status"] == "INTERRUPTED"
+
+
+class DrainedGroups(Harness):
+    """Each attempt's group answers `draining()` as Ray's `get_draining_nodes` would, once a
+    rank's script has drained its node (`drain(groups, rank)`)."""
+
+    def group(self, scaling, warm=None):
+        g = super().group(scaling, warm)
+        g.drained = {}
+        g.draining = lambda: dict(g.drained)
+        return g
+
+
+def drain(groups: list, rank: int) -> tuple:
+    """A rank's script step: its node ("node-<rank>") is drained, without a deadline."""
+    return call(lambda: groups[-1].drained.update({f"node-{rank}": (None, [rank])}))
+
+
+def test_a_drained_node_stops_the_attempt_at_the_next_report_and_the_run_goes_on_without_it(
+        storage, monkeypatch):
+    """Rank 1's node is drained after report 2: the reply to the next round asks for a
+    checkpoint, the one after stops; the attempt ends PREEMPTED (not a failure: max_failures
+    is 0) and the next one resumes from that checkpoint. A second drain in the next attempt is
+    one more than max_preemption_failures=1: the run stops, INTERRUPTED and restorable."""
+    from unbroken.execution import notices
+
+    monkeypatch.setattr(notices, "DRAIN_POLL_S", 0.0)
+    groups: list = []
+    full = [report(), report(checkpoint=True), report(checkpoint=True), report(checkpoint=True), report()]
+    h = DrainedGroups(storage, [[full, full[:2] + [drain(groups, 1)] + full[2:]],
+                                [full, [drain(groups, 1)] + full]], max_preemption_failures=1)
+    h.groups = groups
+    with pytest.raises(TrainingInterruptedError, match="preemption notice"):
+        h.execute()
+    first, second = h.manifest()["attempts"]
+    notice = first["preempted"]
+    assert (first["status"], notice["ranks"], notice["node"]) == ("PREEMPTED", [1], "node-1")
+    assert notice["deadline"] == pytest.approx(notice["received_at"] + 30), "the grace, without a deadline"
+    assert second["resumed_from"] == "checkpoint_000004" and second["status"] == "PREEMPTED"
+    assert h.manifest()["status"] == "INTERRUPTED"
+    told = [r.preemption for r in groups[0].ranks[0].replies]
+    assert told[:2] == [None, None], "nothing before the drain"
+    assert told[-1] == {"deadline_ms": int(notice["deadline"] * 1000),
+                        "preempted_node_to_ranks": {"node-1": [1]}}
