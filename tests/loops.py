@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -255,7 +256,8 @@ def exact_loop(config: dict) -> None:
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
     its process id to rank<r>-a<attempt> there. `deterministic`: deterministic algorithms only.
     `step_s`: seconds each step takes longer; `slow_after=[step, attempt, seconds]`: every rank
-    then sleeps that long after that step's report (rank 0 prints "SLOW n" first). `in_loop`:
+    then sleeps that long after that step's report (rank 0 prints "SLOW n" first);
+    `preemption_log`: each rank appends (step, train.get_preemption_info()) there. `in_loop`:
     the loop is TrainState.for_each_batch, and `pid_dir` also gets each step's process and
     objects (`steps_run`). `prologue_barrier`: a barrier before the loop.
     """
@@ -318,6 +320,11 @@ def exact_loop(config: dict) -> None:
                     with open(config["hang_marker"], "w") as f:
                         f.write(ray.get_runtime_context().get_node_id())
                 threading.Event().wait() if mode == "hang" else _die(mode, at)
+        if config.get("preemption_log"):
+            info = train.get_preemption_info()
+            with open(config["preemption_log"], "a") as f:
+                told = info and [info.deadline_ms, info.preempted_ranks]
+                f.write(json.dumps([rank, state.step, told]) + "\n")
         if config.get("echo") and rank == 0:
             print(f"STEP {state.step}", flush=True)
         if config.get("slow_after", [0, 0])[:2] == [state.step, ctx.get_attempt()]:

@@ -9,7 +9,9 @@ Real worker processes: 2 ranks on gloo (DDP), `exact_loop` with a TrainState (ju
 checkpoints are on by default), a periodic checkpoint every 4 steps.
 """
 
+import contextlib
 import http.server
+import io
 import json
 import os
 import signal
@@ -21,6 +23,7 @@ import pytest
 from conftest import read_until, run_json, run_script, start_script
 from test_exact_resume import BASE, assert_same_run
 from test_exact_resume import fit as fit_uninterrupted
+from unbroken.cli import commands as cli
 from unbroken.execution.notices import MetadataWatch
 from unbroken.store import commit
 from unbroken.store.storage import Storage
@@ -130,9 +133,9 @@ def test_a_spot_notice_from_the_metadata_endpoint_stops_the_run_at_its_next_repo
     the run asked for it: the ranks checkpoint at their next report and stop; the run
     continues from there exactly."""
     handler, url = spot_endpoint
-    name = "spot"
+    name, told = "spot", os.path.join(storage, "told.jsonl")
     path = os.path.join(storage, name)
-    config = {**BASE, "jit": True, "echo": True, "step_s": 0.3}
+    config = {**BASE, "jit": True, "echo": True, "step_s": 0.3, "preemption_log": told}
     driver = start_script(DRIVER, storage, name, json.dumps(config), "30",
                           UNBROKEN_PREEMPTION_NOTICES="aws", UNBROKEN_METADATA_URL=url)
     read_until(driver, "STEP 3")
@@ -148,6 +151,17 @@ def test_a_spot_notice_from_the_metadata_endpoint_stops_the_run_at_its_next_repo
     last = rows(path)[-1]["training_iteration"]
     assert run["latest_checkpoint"] == commit.checkpoint_name(last), "the last report carried the checkpoint"
     assert "jit_checkpoint" not in attempt, "the report came in time: nothing was saved just in time"
+    # The loop is told too, every rank at the same report: None before, the deadline after.
+    seen = [json.loads(line) for line in open(told)]
+    by_step = {step: [i for r, s, i in seen if s == step] for _, step, _ in seen}
+    assert all(len(infos) == 2 and infos[0] == infos[1] for infos in by_step.values()), by_step
+    told_then = [[handler.deadline * 1000, [0, 1]]] * 2
+    assert by_step[1] == [None, None] and by_step[last - 1] == told_then, by_step
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        cli.main(["show", path])
+    assert "preempted: aws spot terminate" in shown.getvalue(), shown.getvalue()
+    os.remove(told)
     check_continued(path, storage, name, config, reference, last)
 
 

@@ -134,8 +134,8 @@ def get_preemption_info() -> PreemptionInfo | None:
     """None until the run has a preemption notice; then which ranks' machines go away and by
     when (Ray Train V2's name). The driver stops the attempt at a checkpoint by itself (the
     next report's, or the last report's, saved just in time); this is for a loop that acts
-    too. Every rank gets the same answer at the same report: it changes when a rank takes
-    the driver's reply to a report, at its next report."""
+    too. Like `get_context().should_checkpoint()`, it waits for the driver's reply to this
+    rank's last report, so every rank gets the same answer between the same reports."""
     info = _session.current("train.get_preemption_info()").preemption()
     return None if info is None else PreemptionInfo(info["deadline_ms"], info["preempted_node_to_ranks"])
 

@@ -207,7 +207,9 @@ class Session:
         return self._replies.latest.checkpoint
 
     def preemption(self) -> dict | None:
-        """What the driver's replies said of a preemption, as of the latest one taken."""
+        """What the driver's replies said of a preemption, up to the reply to the last report
+        (taken now, as `should_checkpoint` does: every rank gets the same answer)."""
+        self._take_reply()
         return self._replies.preemption
 
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
