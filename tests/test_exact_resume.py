@@ -167,7 +167,7 @@ def test_preempted_run_checkpoints_by_itself_and_resumes_bit_for_bit(storage, re
         fit(storage, "preempted", ckpt_every=1000, preempt_at=[step, 1], driver_pid=os.getpid())
     result = TorchTrainer.restore(os.path.join(storage, "preempted")).fit()
     first, second = attempts(result)
-    assert first["status"] == "INTERRUPTED" and second["resumed_iteration"] >= step, context
+    assert first["status"] == "PREEMPTED" and second["resumed_iteration"] >= step, context
     assert_same_run(result, reference, context)
 
 

@@ -311,7 +311,7 @@ def test_custom_names_under_retention_and_a_corrupted_one_set_aside(storage, cap
 
 @pytest.mark.parametrize("module,name,hint", [
     ("unbroken.train", "DataConfig", "get_dataset_shard"),
-    ("unbroken.train", "get_preemption_info", "should_checkpoint()"),
+    ("unbroken.train", "PreemptionError", "TrainingInterruptedError"),
     ("unbroken.train.torch", "accelerate", "torch.autocast"),
     ("unbroken.train.torch", "TorchXLAConfig", "TorchConfig"),
     ("unbroken.air", "session", "train.report(...)"),
