@@ -25,11 +25,12 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench_recovery import fmt as median_range
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_preemption_job.py")
@@ -102,12 +103,9 @@ def _reclaim(cluster, node_id: str) -> None:
 
 
 def fmt(values: list, digits: int = 2) -> str:
+    """Median (min-max) of the values measured ("-" when none was)."""
     values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    med = statistics.median(values)
-    return f"{med:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})" if len(values) > 1 \
-        else f"{med:.{digits}f}"
+    return median_range(values, digits) if values else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
