@@ -762,10 +762,11 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, 
 
 
 def test_an_elastic_run_shrinks_off_a_drained_node_at_a_checkpoint(cluster, storage, tmp_path):
-    """num_workers=(1, 2) on node_a and node_b: Ray drains rank 1's node (no deadline: the
-    run's own grace applies). The ranks checkpoint at their next report and stop, and the next
-    attempt runs on 1 worker, not placed on the drained node (Ray refuses new actors there, and
-    the capacity count leaves it out). Each iteration once, nothing redone."""
+    """num_workers=(1, 2) on node_a and node_b: Ray drains rank 1's node, 8 s ahead, and the node
+    is removed abruptly at the deadline while the run goes on. The ranks checkpoint at their
+    next report and stop, and the next attempt runs on 1 worker, not placed on the drained node
+    (Ray refuses new actors there, and the capacity count leaves it out). Each iteration once,
+    nothing redone."""
     from ray.core.generated import autoscaler_pb2
 
     pid_dir = tmp_path / "pids"
@@ -774,7 +775,7 @@ def test_an_elastic_run_shrinks_off_a_drained_node_at_a_checkpoint(cluster, stor
 from test_exact_resume import BASE, exact_loop
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer
-TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, "step_s": 0.3,
+TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, "step_s": 0.5,
                                              "pid_dir": {str(pid_dir)!r}}},
              scaling_config=ScalingConfig(num_workers=(1, 2), engine="ray"),
              run_config=RunConfig(name="drained-elastic", storage_path={storage!r}, verbose=0,
@@ -788,14 +789,18 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, 
                     if a["Pid"] == pid and a["State"] == "ALIVE")
         name = next(k for k in ("node_a", "node_b") if node_named(k) == node)
         reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        deadline = time.time() + 8
         accepted, why = ray._raylet.GcsClient(address=cluster.gcs_address).drain_node(
-            node, reason, "spot reclaim", 0)
+            node, reason, "spot reclaim", int(deadline * 1000))
         assert accepted, why
+        gone = threading.Timer(deadline - time.time(), reclaim, (cluster, node))
+        gone.start()
         _, err = driver.communicate(timeout=240)
+        gone.join()
     finally:
         if driver.poll() is None:
             driver.kill()
-        if name is not None:  # a drained node stays drained: another takes its place
+        if name is not None:  # the cluster as it was: a node like the one that went joins
             reclaim(cluster, node)
             add_back(cluster, name)
             cluster.wait_for_nodes()
@@ -805,6 +810,7 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, 
     assert (first["status"], first["num_workers"], first["preempted"]["ranks"]) == ("PREEMPTED", 2, [1])
     assert (second["status"], second["num_workers"]) == ("FINISHED", 1), second
     rows = result.metrics_dataframe
+    assert rows["timestamp"].max() > deadline, "the run was still training when the node went"
     assert rows["training_iteration"].tolist() == list(range(1, len(rows) + 1)), "each iteration once"
     last = max(i for i, a in zip(rows["training_iteration"], rows["attempt"], strict=True) if a == 1)
     assert second["resumed_from"] == f"checkpoint_{last:06d}", "nothing redone"
