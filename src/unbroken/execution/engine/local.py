@@ -14,6 +14,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import select
 import selectors
 import signal
 import socket
@@ -155,6 +156,7 @@ class LocalWorkerGroup:
         self.conns: list[Any] = []
         self._selector = selectors.DefaultSelector()
         self._wake: Wakeup | None = None
+        self._pending: dict[int, select.poll] = {}  # by pipe fd: whether a message waits in it
 
     def start(self, payload: Callable[[Placement], WorkerPayload]) -> list[Placement]:
         host = socket.gethostname()
@@ -253,7 +255,11 @@ class LocalWorkerGroup:
         """Every message waiting in `rank`'s pipe."""
         conn, out = self.conns[rank], []
         try:
-            while conn.poll():
+            waiting = self._pending.get(conn.fileno())
+            if waiting is None:  # one poll object per pipe: Connection.poll() builds a selector each time
+                waiting = self._pending[conn.fileno()] = select.poll()
+                waiting.register(conn.fileno(), select.POLLIN)
+            while waiting.poll(0):
                 out.append((rank, from_wire(conn.recv())))
         except (EOFError, OSError):
             if conn.fileno() in self._selector.get_map():
