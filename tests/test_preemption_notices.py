@@ -68,10 +68,10 @@ def check_continued(path: str, storage: str, name: str, config: dict, reference,
 
 
 def test_sigterm_with_a_grace_shorter_than_the_step_saves_the_last_report_just_in_time(storage, reference):
-    """SIGTERM to the driver with a 3 s grace while both ranks are in a 60 s step after report
-    6: no report can come in time, so the ranks give the step up 2 s into the grace, rank 0
+    """SIGTERM to the driver with a 6 s grace while both ranks are in a 60 s step after report
+    6: no report can come in time, so the ranks give the step up 4.5 s into the grace, rank 0
     saves report 6 just in time, and it is committed before the deadline."""
-    name, grace = "sigterm-grace", 3.0
+    name, grace = "sigterm-grace", 6.0
     path = os.path.join(storage, name)
     config = {**BASE, "jit": True, "echo": True, "slow_after": [6, 1, 60]}
     driver = start_script(DRIVER, storage, name, json.dumps(config), str(grace))

@@ -690,6 +690,21 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "epochs": {epochs}, "jit": 
 
 # -- preemption --------------------------------------------------------------------------
 
+def drain_node_of(cluster, pid: int, deadline: float | None) -> tuple[str, str]:
+    """Ray drains the node that runs process `pid` for preemption (deadline: time.time()
+    seconds, None: none), as the autoscaler does for a spot reclaim; returns (node id, name)."""
+    from ray.core.generated import autoscaler_pb2
+
+    node = next(a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                if a["Pid"] == pid and a["State"] == "ALIVE")
+    name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == node)
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    accepted, why = ray._raylet.GcsClient(address=cluster.gcs_address).drain_node(
+        node, reason, "spot reclaim", int(deadline * 1000) if deadline else 0)
+    assert accepted, why
+    return node, name
+
+
 def reclaim(cluster, node_id: str) -> None:
     """The cloud takes a drained node back: remove it without warning, unless Ray already ended
     it (a drained node with nothing left on it exits)."""
@@ -706,8 +721,6 @@ def test_a_drained_node_s_ranks_checkpoint_and_the_run_goes_on_without_it_bit_fo
     goes on. With max_failures=0 the run finishes (a preemption is not a failure): the first
     attempt PREEMPTED, naming the node, each iteration once, nothing redone, and bit for bit
     the run on the local engine that was never preempted."""
-    from ray.core.generated import autoscaler_pb2
-
     _add_node(cluster, "node_c", cluster.node_env)
     cluster.wait_for_nodes()
     local = jit_run("local", storage, "drain-local")
@@ -727,14 +740,8 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, 
     try:
         read_until(driver, "STEP 3")
         pid = int((pid_dir / "rank1-a1").read_text())
-        node = next(a["Address"]["NodeID"] for a in ray._private.state.actors().values()
-                    if a["Pid"] == pid and a["State"] == "ALIVE")
-        name = next(k for k in ("node_a", "node_b", "node_c") if node_named(k) == node)
         deadline = time.time() + 8
-        gcs = ray._raylet.GcsClient(address=cluster.gcs_address)
-        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-        accepted, why = gcs.drain_node(node, reason, "spot reclaim", int(deadline * 1000))
-        assert accepted, why
+        node, name = drain_node_of(cluster, pid, deadline)
         gone = threading.Timer(deadline - time.time(), reclaim, (cluster, node))
         gone.start()
         removed = name
@@ -767,8 +774,6 @@ def test_an_elastic_run_shrinks_off_a_drained_node_at_a_checkpoint(cluster, stor
     next report and stop, and the next attempt runs on 1 worker, not placed on the drained node
     (Ray refuses new actors there, and the capacity count leaves it out). Each iteration once,
     nothing redone."""
-    from ray.core.generated import autoscaler_pb2
-
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     driver = start_script(f"""
@@ -785,14 +790,8 @@ TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, 
     try:
         read_until(driver, "STEP 3")
         pid = int((pid_dir / "rank1-a1").read_text())
-        node = next(a["Address"]["NodeID"] for a in ray._private.state.actors().values()
-                    if a["Pid"] == pid and a["State"] == "ALIVE")
-        name = next(k for k in ("node_a", "node_b") if node_named(k) == node)
-        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
         deadline = time.time() + 8
-        accepted, why = ray._raylet.GcsClient(address=cluster.gcs_address).drain_node(
-            node, reason, "spot reclaim", int(deadline * 1000))
-        assert accepted, why
+        node, name = drain_node_of(cluster, pid, deadline)
         gone = threading.Timer(deadline - time.time(), reclaim, (cluster, node))
         gone.start()
         _, err = driver.communicate(timeout=240)

@@ -123,7 +123,8 @@ class AttemptLoop:
                     if not can_complete or now - failed_at >= ROUND_GRACE_S:
                         self.recovery.save_just_in_time(group, self.num_workers, failures, rounds.last_heard,
                                                         lambda: rounds.running, self._events,
-                                                        self.reports.commit_late, stay=not self._preempting())
+                                                        self.reports.commit_late,
+                                                        stay=states.notice_of(self.state()) is None)
                         raise root_cause(group, failures)
                     timeout = min(timeout, failed_at + ROUND_GRACE_S - now)
                 if hang_s is not None:
@@ -169,7 +170,7 @@ class AttemptLoop:
         if name == "SIGTERM":
             grace = self.run_config.failure_config.sigterm_grace_s
             self._preempt(machine_notice(name, time.time(), grace), signal=name)
-        elif isinstance(state, states.Stopping) and state.notice is not None:
+        elif states.notice_of(state) is not None:
             self.transition(dataclasses.replace(state, signal=name))
         else:
             self.transition(states.Stopping(self.run.attempt.number, name))
@@ -181,7 +182,7 @@ class AttemptLoop:
         """A preemption notice: ask for a checkpoint at the next report and a stop after it
         (STOPPING; a resize under way becomes this stop); several become one (`Notice.merged`)."""
         state = self.state()
-        if isinstance(state, states.Stopping) and state.notice is not None:
+        if states.notice_of(state) is not None:
             self.transition(dataclasses.replace(state, notice=state.notice.merged(notice),
                                                 signal=state.signal or signal))
             return
@@ -190,10 +191,6 @@ class AttemptLoop:
         log.warning("run %s: preemption notice (%s): the workers checkpoint at their next report, then "
                     "stop; %s goes in %.0f s%s", self.run.path, notice.source, notice.node,
                     notice.deadline - time.time(), again)
-
-    def _preempting(self) -> bool:
-        state = self.state()
-        return isinstance(state, states.Stopping) and state.notice is not None
 
     def _abandon_when_due(self, now: float) -> float:
         """Near a notice's deadline (`Notice.abandon_at`), while the checkpoint asked for has

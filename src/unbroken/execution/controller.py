@@ -31,7 +31,7 @@ from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.execution.failure_policy import FailurePolicy
 from unbroken.execution.in_place import InPlacePlan
-from unbroken.execution.notices import MetadataWatch
+from unbroken.execution.notices import MetadataWatch, Notice
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.rank_payload import rank_payload
 from unbroken.execution.recovery import Next, Recovery, record_safely
@@ -138,7 +138,7 @@ class Controller:
         except BaseException as error:
             if group is not None:
                 failures = loop.failures if loop else []
-                preempted = isinstance(self.state, states.Stopping) and self.state.notice is not None
+                preempted = states.notice_of(self.state) is not None
                 self._recovery.hand_back(group, error, failures, self._placements, preempted)
             if isinstance(error, LeaseLostError):
                 raise  # the run belongs to another driver now: write nothing more to it
@@ -206,8 +206,7 @@ class Controller:
         some ranks' nodes only, the run goes on (False)."""
         if self._preempted(error):
             return False
-        if isinstance(self.state, states.Interrupted) or (
-                isinstance(self.state, states.Stopping) and self.state.notice is not None):
+        if isinstance(self.state, states.Interrupted) or states.notice_of(self.state) is not None:
             self._interrupted()
         record_safely(self.run, self.run.end_attempt, mf.ERRORED, error)
         after = self._recovery.decide(error)
@@ -227,8 +226,8 @@ class Controller:
         drain), cleanly or failing once the notice came: end it PREEMPTED and go on without those
         nodes, unless `max_preemption_failures` attempts of this fit() were preempted already.
         False where the run stops instead (`_interrupted`): a notice for the driver's machine."""
-        state, attempt = self.state, self.run.attempt
-        if not isinstance(state, states.Stopping) or state.notice is None or state.notice.ranks is None:
+        notice, attempt = states.notice_of(self.state), self.run.attempt
+        if notice is None or notice.ranks is None:
             return False
         limit = self.run_config.failure_config.max_preemption_failures
         before = sum(a.status == mf.PREEMPTED and a.fit_started_at == attempt.fit_started_at
@@ -238,24 +237,29 @@ class Controller:
                         "FailureConfig(max_preemption_failures=%d) goes on after", self.run.path, before,
                         limit)
             return False
-        attempt.preempted = state.notice.record()
-        record_safely(self.run, self.run.end_attempt, mf.PREEMPTED, error)
-        self._transition(states.Preempted(attempt.number, state.notice))
+        self._end_preempted(notice, error)
+        self._transition(states.Preempted(attempt.number, notice))
         log.warning("run %s: attempt %d preempted (%s, node %s, rank(s) %s); the next attempt runs without "
-                    "that node", self.run.path, attempt.number, state.notice.source, state.notice.node,
-                    list(state.notice.ranks))
+                    "that node", self.run.path, attempt.number, notice.source, notice.node,
+                    list(notice.ranks))
         return True
+
+    def _end_preempted(self, notice: Notice, error: BaseException | None = None) -> None:
+        """End the attempt as PREEMPTED, with `notice` in its record."""
+        self.run.attempt.preempted = notice.record()
+        record_safely(self.run, self.run.end_attempt, mf.PREEMPTED, error)
 
     def _interrupted(self) -> None:
         """Close the attempt (PREEMPTED after a preemption notice, with the notice in its
         record) and the run as INTERRUPTED, and raise with the restore hint."""
-        notice = self.state.notice if isinstance(self.state, states.Stopping) else None
+        notice = states.notice_of(self.state)
         if not isinstance(self.state, states.Interrupted):  # a second signal made it so already
             self._transition(states.Interrupted(self.interrupts.signal_name))
         if self.run.attempt is not None and self.run.attempt.ended_at is None:
             if notice is not None:
-                self.run.attempt.preempted = notice.record()
-            self.run.end_attempt(mf.PREEMPTED if notice is not None else mf.INTERRUPTED)
+                self._end_preempted(notice)
+            else:
+                self.run.end_attempt(mf.INTERRUPTED)
         self.run.finish(mf.INTERRUPTED)
         latest = self.run.checkpoints.latest
         where = (f"its latest committed checkpoint is {latest.name} (iteration {latest.iteration})"

@@ -155,6 +155,11 @@ class Errored(ControllerState):
         return True
 
 
+def notice_of(state: ControllerState) -> Notice | None:
+    """The preemption notice the controller is stopping for, if it is (see `Stopping`)."""
+    return state.notice if isinstance(state, Stopping) else None
+
+
 # The states each state may move to. Starting -> Starting: a new controller is already
 # Starting when its first attempt begins; Stopping -> Stopping: its round data changes.
 _NEXT: dict[type[ControllerState], tuple[type[ControllerState], ...]] = {
