@@ -24,6 +24,11 @@ once in batches of 64 by one consumer (what a share of Ray's `streaming_split` c
 global batches of 64 x 2 and keeps its half, and a resume skips the consumed rows by reading
 them (Ray Data cannot seek to a row).
 
+A last line measures a Hugging Face pass carried to another number of ranks: rank 0 of 2
+trains half of a pass of `to_iterable_dataset(8 shards)`, and rank 0 of 4 takes the rest
+(unbroken.state.stream_carry), against the same rank's fresh pass: the first batch, and the
+whole (shorter) rest of the pass.
+
 Prints a markdown table of medians (min-max) over the repeats.
 """
 
@@ -45,6 +50,7 @@ import numpy as np
 import torch
 
 from unbroken.state.state_file import STATE_FILE, loader_file
+from unbroken.state.stream_loader import StreamLoader
 from unbroken.train.torch import ResumableDataLoader, TrainState, prepare_data_loader
 
 BATCH = 64
@@ -187,6 +193,39 @@ def measure(build: Callable[[], Any], repeats: int) -> dict[str, Any]:
     return {**{k: (statistics.median(v), min(v), max(v)) for k, v in out.items()}, "size": size, "how": how}
 
 
+def measure_carry(x: torch.Tensor, repeats: int) -> dict[str, tuple[float, float, float]]:
+    """A pass half trained on by 2 ranks, carried to 4: seconds to the first batch and to the
+    end of the pass, for the carried pass and for a fresh one of rank 0 of 4."""
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    data = Dataset.from_dict({"id": list(range(len(x))), "x": x.tolist()}).to_iterable_dataset(num_shards=8)
+
+    def build(world: int) -> Any:
+        return torch.utils.data.DataLoader(split_dataset_by_node(data, 0, world).with_format("torch"),
+                                           batch_size=BATCH)
+
+    half = build(2)
+    taken = StreamLoader.of(half, 2)
+    train_pass(half, torch.nn.Linear(16, 1), torch.optim.SGD(torch.nn.Linear(16, 1).parameters()),
+               limit=len(x) // BATCH // 4)
+    counts = taken.state_dict()
+    out: dict[str, list[float]] = {f"{name} {part}": [] for part in ("first", "pass")
+                                   for name in ("fresh", "carried")}
+    for _ in range(repeats):
+        for name in ("fresh", "carried"):
+            loader = build(4)
+            if name == "carried":
+                StreamLoader.of(loader, 4).load_state_dict(counts)
+            t0 = time.perf_counter()
+            batches = iter(loader)
+            next(batches)
+            out[f"{name} first"].append(time.perf_counter() - t0)
+            sum(1 for _ in batches)
+            out[f"{name} pass"].append(time.perf_counter() - t0)
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in out.items()}
+
+
 def measure_ray_data(files: list[str], repeats: int) -> dict[str, Any]:
     """The Ray Data row: one consumer's plain pass against rank 0's RayDataShard of 2."""
     import ray
@@ -291,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.ray:
             print(row("Ray Data: get_dataset_shard (rank 0 of 2) vs one plain reader",
                       measure_ray_data(files, args.repeats)), flush=True)
+        carry = measure_carry(x, args.repeats)
+        print("\nHF to_iterable_dataset(8 shards), a pass half trained on by 2 ranks, its rest on 4 "
+              "(rank 0 of 4), against a fresh pass of rank 0 of 4: "
+              + ", ".join(f"{k} {1e3 * v[0]:.0f} ms ({1e3 * v[1]:.0f}-{1e3 * v[2]:.0f})"
+                          for k, v in carry.items()) + ".")
         base, extra = counting_cost(repeats=args.repeats)
         print(f"\nCounting the batches the loop takes: {extra:+.2f} µs a batch (a bare DataLoader over a "
               f"stateful stream, no collate, no step: {base:.2f} µs a batch).")

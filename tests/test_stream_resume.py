@@ -170,8 +170,9 @@ TorchTrainer(stream_loop, train_loop_config={**eval(sys.argv[3]), "echo": True},
 
 
 def test_another_number_of_workers_is_refused_and_nothing_stored_changes(storage, data_dir):
+    # Our own stateful dataset keeps one position per rank, which other ranks cannot continue.
     with pytest.raises(TrainingFailedError):
-        fit(storage, "resize", data_dir, kind="hf-shards", kill_at=[[5, 1, 0, "raise"]])
+        fit(storage, "resize", data_dir, kind="custom", kill_at=[[5, 1, 0, "raise"]])
     path = os.path.join(storage, "resize")
     before = sorted(os.listdir(path))
     with pytest.raises(TrainingFailedError) as failed:
@@ -181,6 +182,36 @@ def test_another_number_of_workers_is_refused_and_nothing_stored_changes(storage
     assert sorted(os.listdir(path)) == before
     result = TorchTrainer.restore(path, scaling_config=ScalingConfig(num_workers=2)).fit()  # goes on
     assert [s["step"] for s in steps(result)] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("kind", ["hf-shards", "hf-stream"])
+def test_a_hugging_face_pass_goes_on_at_other_sizes_each_shard_where_it_was(storage, data_dir, kind):
+    # 2 ranks fail mid-epoch 0; a restore on 3 ranks takes the rest of the pass, each shard
+    # where the 2 left it, and fails in it (step 7: a carried pass carried again) or in the next
+    # epoch's own split (step 10); a restore on 1 rank takes what the 3 left. Each example of an
+    # epoch is trained on once, but for what a short last global batch cannot split evenly
+    # (fewer than the ranks).
+    rng = rng_for(f"resize-{kind}")
+    first, second = rng.choice([4, 5]), rng.choice([7, 10])
+    context = f"UNBROKEN_TEST_SEED={SEED}, {kind}: raised at step {first} on 2 ranks, at {second} on 3"
+    with pytest.raises(TrainingFailedError):
+        fit(storage, f"grow-{kind}", data_dir, kind=kind,
+            kill_at=[[first, 1, 0, "raise"], [second, 2, 2, "raise"]])
+    path = os.path.join(storage, f"grow-{kind}")
+    with pytest.raises(TrainingFailedError):
+        TorchTrainer.restore(path, scaling_config=ScalingConfig(num_workers=3)).fit()
+    result = TorchTrainer.restore(path, scaling_config=ScalingConfig(num_workers=1)).fit()
+    rows = steps(result)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), context
+    for epoch in (0, 1):
+        ids = [i for r in rows if r["epoch"] == epoch for rank in r["ids"] for i in rank]
+        assert len(ids) == len(set(ids)), f"epoch {epoch}: an example trained on twice ({context})"
+        lost = sorted(set(range(64)) - set(ids))
+        assert len(lost) <= 2, f"epoch {epoch}: lost {lost} ({context})"
+    sizes = [len(r["ids"]) for r in rows]
+    on_three = second // CKPT * CKPT  # the last step the 3 ranks checkpointed
+    assert sizes[:3] == [2] * 3 and sizes[3:on_three] == [3] * (on_three - 3), (sizes, context)
+    assert set(sizes[on_three:]) == {1}, (sizes, context)
 
 
 # -- the loaders outside a run ----------------------------------------------------------

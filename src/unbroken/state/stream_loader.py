@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from unbroken.errors import StateMismatchError
+from unbroken.state import stream_carry
 from unbroken.state.loader_workers import die_with_rank
 from unbroken.state.sample_seed import sample_seed
 from unbroken.state.state_file import LOADABLE_SCALARS, capture_rng, plain_problem, restore_rng
@@ -222,12 +223,21 @@ class StreamLoader:
         saved, now = state.get("data", {}) if isinstance(state, dict) else {}, self._data
         changed = [f"{key} was {saved[key]!r}, is {now.get(key)!r}"
                    for key in saved if saved[key] != now.get(key)]
-        if changed and state.get("world_size") == self.position.world_size:  # else the next line says why
+        resized = isinstance(state, dict) and state.get("world_size") != self.position.world_size
+        if changed and not resized:  # else the carry below says why
             raise StateMismatchError(
                 f"{name} reads other data than the run it resumes: {'; '.join(changed)}. Its saved "
                 "position does not point into this data. Hint: resume with the data the run was "
                 "started with, or start a new run")
-        self.position.load_state_dict(state, name)
+        why_not = carry = None
+        if resized:
+            dataset = self.loader.dataset
+            why_not = stream_carry.refusal(
+                saved, now, stream_carry.hf_split(dataset) if _is_hf(dataset) else None,
+                self.position.world_size, _is_hf(dataset) and _hf_shuffle_buffer(dataset))
+            if why_not is None:
+                carry = stream_carry.carried(state, self.loader.batch_size or 1)
+        self.position.load_state_dict(state, name, carry, why_not)
         self._seek = None
 
     @functools.cached_property
@@ -240,14 +250,18 @@ class StreamLoader:
         shards = getattr(dataset, "num_shards", None) if _is_hf(dataset) else None
         if isinstance(shards, int):
             out["num_shards"] = shards
+            total = getattr(getattr(dataset, "_ex_iterable", None), "num_shards", None)
+            out["total_shards"] = total if isinstance(total, int) else None
         if not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
             out["length"] = len(dataset)
+        if isinstance(dataset, IterableDataset):  # a replay or a carry counts in these
+            out["batch_size"], out["workers"] = self.loader.batch_size, self.loader.num_workers
         return out
 
     def seek_state(self) -> dict[str, Any] | None:
         """This rank's library state at the current position, tagged with the counts; None
         when it is not exact or not storable as data (the resume then replays)."""
-        if self.replay_reason is not None:
+        if self.replay_reason is not None or self.position.carried is not None:
             return None
         library, problem = storable(self._library().state_dict())
         if problem:
@@ -282,6 +296,16 @@ class StreamLoader:
                 "(other files, another number of shards or workers). Hint: resume with the data and "
                 "loader settings the run was started with; the checkpoint is unchanged") from e
 
+    def _carried_pass(self, carry: dict[str, int]) -> Iterator[Any]:
+        """The rest of a pass another number of ranks began (`stream_carry`), as this rank's
+        batches."""
+        dataset, size = self.loader.dataset, self.loader.batch_size
+        rank, world = stream_carry.hf_split(dataset)  # type: ignore[misc]  # checked at the carry
+        rest = stream_carry.rest_of_pass(stream_carry.old_rank_streams(dataset, carry["world_size"]),
+                                         carry, size or 1)
+        for part in stream_carry.shares(rest, size or 1, rank, world, self.loader.drop_last):
+            yield self.loader.collate_fn(part if size is not None else part[0])
+
     def iterate(self, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         """One pass: continue a loaded position (seek or replay), count what the loop takes."""
         skip = self.position.begin()
@@ -290,7 +314,9 @@ class StreamLoader:
         seek, self._seek = self._seek, None
         held = capture_rng()
         try:
-            if skip and seek is not None:
+            if self.position.carried is not None:
+                batches = self._carried_pass(self.position.carried)
+            elif skip and seek is not None:
                 batches = self._seek_to(seek, start)
                 skip = 0
             else:
