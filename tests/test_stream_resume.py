@@ -317,6 +317,20 @@ other, _ = make_loader("hf-shards", {**config, "shards": 8}, 0, 2)
 with pytest.raises(StateMismatchError, match="num_shards was 2, is 4"):
     TrainState(loader=other).load(saved_in)
 assert {name: open(os.path.join(saved_in, name), "rb").read() for name in os.listdir(saved_in)} == saved
+# After a seek, a later pass reads the whole pass, with or without set_epoch (datasets starts
+# each pass of the epoch it was given a state in at that state).
+whole = _take(make_loader("hf-shards", config, 0, 2)[0])
+loader, set_epoch = make_loader("hf-shards", config, 0, 2)
+state = TrainState(loader=loader)
+_take(loader, 1)
+os.makedirs(saved_in + "-seek")
+state.save(saved_in + "-seek")
+again, set_epoch = make_loader("hf-shards", config, 0, 2)
+TrainState(loader=again).load(saved_in + "-seek")
+assert _take(again) == whole[1:]
+assert _take(again) == whole
+set_epoch(1)
+assert _take(again) == whole
 # prepare_data_loader keeps a stream as it is: not split a second time.
 loader, _ = make_loader("hf-shards", config, 1, 2)
 whole = _take(make_loader("hf-shards", config, 1, 2)[0])

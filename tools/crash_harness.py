@@ -40,6 +40,10 @@ Invariants checked at every launch and at the end of each trial:
     StatefulDataLoader with a worker process prefetching): each rank's sample sequence
     equals the uninterrupted run's, whether a resume seeks with the rank's own saved state
     (a periodic checkpoint) or replays the pass (a just-in-time one);
+  - with --resize (--data over a Hugging Face stream split by node, 6 shards, and each launch
+    on 1, 2 or 3 workers at random, so a restore carries the pass in progress to another
+    size): each epoch trains on each example at most once, and loses at most what the carries'
+    short last batches cannot split evenly (fewer than the ranks, at most 2 a launch);
   - with --ray, a launch may drain a rank's node for preemption (6 s ahead; then the node
     goes and a replacement joins): the run goes on without it, and never fails for it;
   - with --jit, a launch may get a preemption notice instead of a kill (--preempt: each
@@ -139,6 +143,9 @@ IN_PLACE = [False]  # --in-place: --jit, and a failed rank is replaced while the
 DATA = [False]  # --data: --jit, and the loop reads a streaming loader (per-rank position)
 PREEMPT = [False]  # --preempt: --jit, and each trial's first launch gets a preemption notice (--ray: a drain)
 ELASTIC = [False]  # --elastic: num_workers=(2, 3) on a 3-node Ray cluster that loses and regains nodes
+RESIZE = [False]  # --resize: --data over a Hugging Face stream, each launch on WORKERS[0] workers
+WORKERS = [2]  # the workers of the next launch (--resize draws it before each)
+HF_ROWS = 24  # --resize: 6 shards of 4; 1, 2 or 3 ranks take whole shards
 
 # Lease takeovers after each kill are expected here; keep the output to the counts.
 logging.getLogger("unbroken").setLevel(logging.ERROR)
@@ -244,10 +251,27 @@ class RankStream(torch.utils.data.IterableDataset):
         self.passes, self.offset = state["passes"], state["offset"]
 
 
-def _stream(loader: Any) -> Iterator[Any]:
-    """--data: batches of pass after pass of `loader` (each `iter` a pass it counts)."""
+def _stream(loader: Any, state: Any = None) -> Iterator[Any]:
+    """--data: batches of pass after pass of `loader` (each `iter` a pass it counts); with a
+    state, its `epoch` counts the passes ended."""
     while True:
         yield from loader
+        if state is not None:
+            state.epoch += 1
+
+
+def hf_loader(rank: int, world: int) -> Any:
+    """--resize: rank's DataLoader over a Hugging Face stream of HF_ROWS rows in 6 shards, split
+    by node, no shuffle buffer, no loader workers (a pass any number of ranks can carry on)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    x = torch.randn(HF_ROWS, 16, generator=torch.Generator().manual_seed(3))
+    rows = Dataset.from_dict({"id": list(range(HF_ROWS)), "x": x.tolist(),
+                              "y": torch.sin(x.sum(dim=1, keepdim=True)).tolist()})
+    data = split_dataset_by_node(rows.to_iterable_dataset(num_shards=6), rank=rank, world_size=world)
+    return torch.utils.data.DataLoader(data.with_format("torch"), batch_size=4)
 
 
 def jit_loop(config: dict) -> None:
@@ -270,12 +294,15 @@ def jit_loop(config: dict) -> None:
     if config.get("in_loop"):  # TrainState.for_each_batch: one pass of one batch per iteration
         loader = prepare_data_loader(torch.utils.data.DataLoader(range(world * config["iterations"]),
                                                                  batch_size=1, shuffle=False))
-    if config.get("data"):  # a per-rank stream through torchdata (a worker process prefetching)
+    if config.get("hf"):
+        loader = hf_loader(rank, world)
+    elif config.get("data"):  # a per-rank stream through torchdata (a worker process prefetching)
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader = StatefulDataLoader(RankStream(rank, world), batch_size=4, num_workers=1)
     state = TrainState(model=model, optimizer=opt, iteration=0, jit_checkpoint=True, step_seed=11,
-                       **({"loader": loader} if loader is not None else {}))
+                       **({"loader": loader} if loader is not None else {}),
+                       **({"epoch": 0} if config.get("hf") else {}))
     checkpoint = train.get_checkpoint()
     from_peer = session_mod.active().peer_state is not None  # recovering in place
     state.restore()
@@ -302,7 +329,7 @@ def jit_loop(config: dict) -> None:
     y = torch.sin(x.sum(dim=1, keepdim=True))
     everything = (x, y) if config.get("on_request") else None  # elastic: report the loss on all of it
     x, y = x[rank::world], y[rank::world]
-    batches = _stream(loader) if config.get("data") else None
+    batches = _stream(loader, state if config.get("hf") else None) if config.get("data") else None
     attempts = [ctx.get_attempt()]
 
     def step(_batch: Any = None) -> None:
@@ -319,7 +346,7 @@ def jit_loop(config: dict) -> None:
         xs, ys, ids = x, y, None
         if batches is not None:
             batch = next(batches)
-            xs, ys, ids = batch["x"], batch["y"], batch["id"].tolist()
+            xs, ys, ids = batch["x"].float(), batch["y"].float(), batch["id"].tolist()
         loss = torch.nn.functional.mse_loss(model(xs), ys)
         opt.zero_grad()
         loss.backward()
@@ -334,6 +361,8 @@ def jit_loop(config: dict) -> None:
             every = [None] * world
             torch.distributed.all_gather_object(every, ids)
             metrics["ids"] = every
+            if config.get("hf"):
+                metrics["epoch"] = state.epoch
         state.report(metrics, checkpoint=it % config["every"] == 0 or asked)
 
     if config.get("in_loop"):  # one batch per iteration, in one pass: survivors stay in this loop
@@ -354,14 +383,14 @@ def make_trainer(storage: str, name: str, log: str) -> TorchTrainer:
     validate = not JIT[0]  # every checkpoint of the crash loop is validated in the background
     config = {"iterations": ITERATIONS, "every": CKPT_EVERY, "log": log, "async": ASYNC_SAVES[0],
               "validate": validate}
-    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1})
+    scaling = ScalingConfig(num_workers=WORKERS[0], resources_per_worker={"CPU": 1})
     if ELASTIC[0]:  # 2 or 3 workers; 240 samples share out evenly to either, so only float order differs
         scaling = ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1},
                                 elastic_resize_monitor_interval_s=1.0)
         config.update(samples=240, on_request=True, step_s=0.3)
     elif PREEMPT[0] and os.environ.get("RAY_ADDRESS"):  # a drain lands while the ranks train
         config.update(step_s=0.2)
-    config.update(in_loop=loops_stay(log), data=DATA[0])
+    config.update(in_loop=loops_stay(log), data=DATA[0], hf=RESIZE[0])
     return TorchTrainer(
         jit_loop if JIT[0] else crash_loop, train_loop_config=config,
         validation_config=ValidationConfig(validate_checkpoint) if validate else None,
@@ -383,7 +412,9 @@ def _driver(storage: str, name: str, log: str, how: str, fault: str | None, faul
         os.environ.update(UNBROKEN_FAULT=fault, UNBROKEN_FAULT_LOG=fault_log)
     path = f"{storage}/{name}"
     try:
-        trainer = TorchTrainer.restore(path) if how == "restore" else make_trainer(storage, name, log)
+        resized = {"scaling_config": ScalingConfig(num_workers=WORKERS[0], resources_per_worker={"CPU": 1})}
+        trainer = (TorchTrainer.restore(path, **(resized if RESIZE[0] else {})) if how == "restore"
+                   else make_trainer(storage, name, log))
         trainer.fit()
         result = "finished"
     except TrainingFailedError as e:
@@ -592,6 +623,9 @@ class Harness:
                 os.remove(fault_log)
             if kind == "disk-full":
                 self.disk.leave_free(self.rng.randint(0, 40) * 4096)
+            if RESIZE[0]:
+                WORKERS[0] = self.rng.choice([1, 2, 3])
+                self.counts[f"launches on {WORKERS[0]} workers"] += 1
             proc, outcome = self.launch(storage, name, log, how, fault)
             self.counts["launches"] += 1
             if kind == "report-node-loss":
@@ -664,7 +698,7 @@ class Harness:
                                           f"trial {index} launch {launch}")
             if result == "finished":
                 self.check_time(path, launch + 1, f"trial {index}")
-                self.check_finished(path, index)
+                self.check_finished(path, index, launch + 1)
                 return
         self.violations.append(f"trial {index}: the run did not finish after {self.max_kills + 3} launches")
 
@@ -881,9 +915,10 @@ class Harness:
                                        f"checkpoint, then {fault} struck, and the next attempt resumed "
                                        f"from {after[0]['resumed_from']}")
             return
-        if JIT[0] and not IN_PLACE[0] and one_rank and iteration % CKPT_EVERY:
+        if JIT[0] and not IN_PLACE[0] and one_rank and iteration % CKPT_EVERY and WORKERS[0] > 1:
             # One rank struck right after report n: the survivor saves round n just in time,
-            # unless it was killed while saving, which must leave round n uncommitted.
+            # unless it was killed while saving, which must leave round n uncommitted (a single
+            # rank has no survivor).
             saver_killed = "during_jit_save" in read_struck(os.path.join(self.workdir, "faults"))
             self.counts["kills at during_jit_save"] += saver_killed
             if saver_killed == (committed == commit.checkpoint_name(iteration)):
@@ -895,7 +930,7 @@ class Harness:
                                    f"checkpoint, then {fault} struck, but the newest committed "
                                    f"checkpoint is {committed}")
 
-    def check_finished(self, path: str, trial: int) -> None:
+    def check_finished(self, path: str, trial: int, launches: int) -> None:
         self.counts["trials"] += 1
         where = f"trial {trial}"
         left = leftovers(path)
@@ -908,11 +943,15 @@ class Harness:
         same = (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6)) if ELASTIC[0] else torch.equal
         if iterations != list(range(1, ITERATIONS + 1)):
             self.violations.append(f"{where}: timeline is {iterations}")
+        elif RESIZE[0]:
+            self.check_epochs(rows, launches, where)
         elif not same(torch.tensor([row["loss"] for row in rows]), torch.tensor(self.reference_losses)):
             self.violations.append(f"{where}: losses differ from the uninterrupted run")
         elif [row.get("ids") for row in rows] != self.reference_ids:
             self.violations.append(f"{where}: a rank's sample sequence differs from the uninterrupted run")
         weights = self.final_weights(result)
+        if RESIZE[0]:  # other sizes take other batches: only the data is compared
+            weights = self.reference_weights = {}
         if weights.keys() != self.reference_weights.keys() or not all(
                 same(weights[k], self.reference_weights[k]) for k in weights):
             self.violations.append(f"{where}: final weights differ from the uninterrupted run")
@@ -922,6 +961,21 @@ class Harness:
             self.check_validations(path, where)
         Storage.from_url(path.rsplit("/", 1)[0]).remove("")
 
+
+    def check_epochs(self, rows: list[dict], launches: int, where: str) -> None:
+        """--resize: each epoch's kept rows train on each example once at most, and lose fewer
+        than 3 examples a launch (a carry's short last batch); the last, unfinished epoch only
+        once at most."""
+        epochs: dict[int, list[int]] = {}
+        for row in rows:
+            epochs.setdefault(row["epoch"], []).extend(i for rank in row["ids"] for i in rank)
+        for epoch, ids in sorted(epochs.items()):
+            lost = sorted(set(range(HF_ROWS)) - set(ids))
+            if len(ids) != len(set(ids)):
+                self.violations.append(f"{where}: epoch {epoch} trained on an example twice: {ids}")
+            elif epoch < max(epochs) and len(lost) > 2 * launches:
+                self.violations.append(f"{where}: epoch {epoch} lost {lost} in {launches} launches")
+            self.counts["examples lost to a carry's last batch"] += len(lost) if epoch < max(epochs) else 0
 
     def check_time(self, path: str, launches: int, where: str) -> None:
         """Where the finished run's time went adds up after every kill: each fit() (at most
@@ -1147,6 +1201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", action="store_true",
                         help="--jit, with the loop reading a per-rank stream (torchdata's StatefulDataLoader "
                              "over a stateful IterableDataset, one worker process prefetching)")
+    parser.add_argument("--resize", action="store_true",
+                        help="--data over a Hugging Face stream, each launch on 1, 2 or 3 workers")
     parser.add_argument("--ray", action="store_true",
                         help="run the workers on a local 2-node Ray cluster (the Ray engine)")
     parser.add_argument("--sweep", action="store_true",
@@ -1169,9 +1225,10 @@ def main(argv: list[str] | None = None) -> int:
                                    *(["--seed", str(args.seed)] if args.seed is not None else [])])
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves
-    JIT[0] = args.jit or args.in_place or args.data or args.preempt
+    JIT[0] = args.jit or args.in_place or args.data or args.preempt or args.resize
     PREEMPT[0] = args.preempt
-    DATA[0] = args.data
+    DATA[0] = RESIZE[0] = args.resize
+    DATA[0] = DATA[0] or args.data
     IN_PLACE[0] = args.in_place
     ELASTIC[0] = args.elastic
     started = time.monotonic()

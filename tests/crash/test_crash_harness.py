@@ -151,6 +151,20 @@ def test_random_kills_with_a_streaming_loader_recovered_in_place_soak():
     check(run_harness(60, "--data", "--in-place"), 60, commit_kills=0, restores=0)
 
 
+def test_random_kills_with_each_launch_on_another_number_of_workers():
+    # A Hugging Face stream split by node, each launch on 1, 2 or 3 workers: a restore carries
+    # the pass in progress to the new size; no epoch trains on an example twice, and only a
+    # carry's short last batch may leave some out.
+    report = run_harness(5, "--resize")
+    check(report, 5, commit_kills=0, restores=2)
+    assert sum(report.get(f"launches on {n} workers", 0) > 0 for n in (1, 2, 3)) >= 2, report
+
+
+@pytest.mark.slow
+def test_random_kills_with_each_launch_on_another_number_of_workers_soak():
+    check(run_harness(60, "--resize"), 60)
+
+
 def test_a_pbt_sweep_killed_at_random_moments_ends_as_if_it_never_stopped():
     # The sweep driver is SIGKILLed after random reports and between a trial's end and its
     # record (before_trial_record), where a trial that finished at its own stop on a

@@ -188,6 +188,7 @@ class StreamLoader:
         self.position = StreamPosition(world_size)
         self.move: Callable[[Any], Any] | None = None  # to the device (prepare_data_loader sets it)
         self._seek: Any = None
+        self._fresh: Any = None  # a seeked library's state at a pass's start (see `_start`)
         self._unstorable_logged = False
         self._generator = None
         if loader.generator is None:  # passes seeded from their number, not the training stream
@@ -287,6 +288,8 @@ class StreamLoader:
         its own state is named, with the cause."""
         library = self._library()
         try:
+            if _is_hf(library) and self._fresh is None:
+                self._fresh = library.state_dict()
             library.load_state_dict(seek)
             return start()
         except Exception as e:
@@ -295,6 +298,14 @@ class StreamLoader:
                 f"{type(e).__name__}: {e}. The data it reads may have changed since the checkpoint "
                 "(other files, another number of shards or workers). Hint: resume with the data and "
                 "loader settings the run was started with; the checkpoint is unchanged") from e
+
+    def _start(self, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        """A pass from its beginning. A Hugging Face dataset begins every pass of the epoch it
+        was given a state in at that state (until `set_epoch` moves on): after a seek, it is
+        given its start again, so that a later pass, or a replay, reads the whole pass."""
+        if self._fresh is not None:
+            self._library().load_state_dict(self._fresh)
+        return start()
 
     def _carried_pass(self, carry: dict[str, int]) -> Iterator[Any]:
         """The rest of a pass another number of ranks began (`stream_carry`), as this rank's
@@ -320,7 +331,7 @@ class StreamLoader:
                 batches = self._seek_to(seek, start)
                 skip = 0
             else:
-                batches = start()
+                batches = self._start(start)
             skipped = sum(1 for _ in itertools.islice(batches, skip))
         finally:
             restore_rng(held)
