@@ -281,7 +281,6 @@ def test_use_gpu_where_no_gpu_is_visible(run, tmp_path):
 
 @pytest.mark.parametrize("name,hint", [
     ("ResourceChangingScheduler", "scaling_config"),
-    ("PB2", "PopulationBasedTraining"),
     ("HyperBandForBOHB", "HyperBandScheduler"),
 ])
 def test_ray_tune_schedulers_unbroken_does_not_provide_say_what_instead(name, hint):
@@ -309,7 +308,6 @@ def test_ray_tune_scheduler_module_paths_import():
     ("from unbroken.tune import CLIReporter", "tune.Callback"),
     ("from unbroken.tune.search import HyperOptSearch", "OptunaSearch"),
     ("from unbroken.tune.logger import TBXLoggerCallback", "LoggerCallback"),
-    ("from unbroken.tune.schedulers.pb2 import PB2", "PopulationBasedTraining"),
 ])
 def test_ray_tune_names_without_a_counterpart_say_what_instead(statement, hint):
     from unbroken.errors import UnsupportedAPIError

@@ -13,8 +13,6 @@ from unbroken.errors import UnsupportedAPIError
 
 _HYPERBAND = ("HyperBand for BOHB (with TuneBOHB's searcher) is not provided. Hint: use HyperBandScheduler "
               "(synchronous HyperBand) or ASHAScheduler(brackets=N) with OptunaSearch")
-_PBT = ("only PopulationBasedTraining is provided (PB2's Gaussian-process bandit is not). Hint: use "
-        "PopulationBasedTraining(hyperparam_mutations=...) from unbroken.tune.schedulers")
 
 NOT_PROVIDED: dict[str, dict[str, str]] = {
     "unbroken.air": {
@@ -116,8 +114,8 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                                      "uses with its trainer's scaling_config",
         "HyperBandForBOHB": _HYPERBAND,
         "MedianStoppingRule": "Hint: use ASHAScheduler, or stop trials with RunConfig(stop=...)",
-        "PopulationBasedTrainingReplay": _PBT,
-        "PB2": _PBT,
+        "PopulationBasedTrainingReplay": "a recorded PBT schedule cannot be replayed. Hint: run the "
+                                         "trial with its final config, or use PopulationBasedTraining",
         "TrialScheduler": "schedulers of your own are not supported. Hint: use FIFOScheduler or "
                           "ASHAScheduler, or stop trials with RunConfig(stop=...)",
         "create_scheduler": "Hint: build the scheduler itself: FIFOScheduler() or ASHAScheduler(...)",

@@ -43,29 +43,47 @@ class PopulationBasedTraining:
     log_config: bool = True
 
     def __post_init__(self) -> None:
-        if self.mode not in (None, "min", "max"):
-            raise ValueError(f"PopulationBasedTraining mode must be 'min' or 'max', got {self.mode!r}")
-        if not self.perturbation_interval > 0:
-            raise ValueError("PopulationBasedTraining perturbation_interval must be > 0, got "
-                             f"{self.perturbation_interval!r}")
-        if not 0 <= self.quantile_fraction <= 0.5:
-            raise ValueError("PopulationBasedTraining quantile_fraction must be between 0 and 0.5, got "
-                             f"{self.quantile_fraction!r}")
+        self._check_settings()
         if not 0 <= self.resample_probability <= 1:
             raise ValueError("PopulationBasedTraining resample_probability must be between 0 and 1, got "
                              f"{self.resample_probability!r}")
         if not self.hyperparam_mutations and self.custom_explore_fn is None:
             raise ValueError("PopulationBasedTraining needs hyperparam_mutations or custom_explore_fn. Hint: "
                              "hyperparam_mutations={'lr': tune.loguniform(1e-4, 1e-1)}")
-        for path, spec in _flat(self.hyperparam_mutations):
+        for path, spec in leaves(self.hyperparam_mutations):
             if not (isinstance(spec, (list, ss.Float, ss.Integer, ss.Categorical)) or callable(spec)):
                 raise ValueError(f"PopulationBasedTraining hyperparam_mutations[{path!r}] must be a list, a "
                                  f"search domain (tune.uniform, ...) or a function, got {spec!r}")
 
+    def _check_settings(self) -> None:
+        """The settings PB2 shares (it checks its bounds itself): ValueError on a bad one."""
+        kind = type(self).__name__
+        if self.mode not in (None, "min", "max"):
+            raise ValueError(f"{kind} mode must be 'min' or 'max', got {self.mode!r}")
+        if not self.perturbation_interval > 0:
+            raise ValueError(f"{kind} perturbation_interval must be > 0, got {self.perturbation_interval!r}")
+        if not 0 <= self.quantile_fraction <= 0.5:
+            raise ValueError(f"{kind} quantile_fraction must be between 0 and 0.5, got "
+                             f"{self.quantile_fraction!r}")
+
+    def check_space(self, param_space: dict[str, Any]) -> None:
+        """Refuse a sweep's `param_space` the explore step cannot work on, before any trial is
+        proposed. Nothing here; PB2 needs a starting value at each bound's key."""
+
+    def check_config(self, config: dict[str, Any]) -> None:
+        """Refuse a trial's sampled `config` the explore step cannot work on, before the trial
+        runs. Nothing to refuse here: a mutation may add a key; PB2 checks its bounds' keys."""
+
+    def new_config(self, exploit: Exploit, rng: random.Random) -> dict[str, Any]:
+        """The config an exploiting trial continues with: the donor's, explored (`explore`).
+        The one step PB2 changes; `rng` is the decision's seeded generator, so the same
+        records give the same config after a restore."""
+        return explore(exploit.donor_config, self, rng)
+
     def describe(self) -> dict[str, Any]:
         mutations = {path: (spec.spec() if isinstance(spec, ss.Domain) else
                             qualified_name(spec) if callable(spec) else spec)
-                     for path, spec in _flat(self.hyperparam_mutations)}
+                     for path, spec in leaves(self.hyperparam_mutations)}
         explore = qualified_name(self.custom_explore_fn) if self.custom_explore_fn else None
         return {"kind": "pbt", "time_attr": self.time_attr, "metric": self.metric, "mode": self.mode,
                 "perturbation_interval": self.perturbation_interval, "burn_in_period": self.burn_in_period,
@@ -77,6 +95,22 @@ class PopulationBasedTraining:
     def first_point(self) -> float:
         """The first perturbation point: one interval in, and not before the burn-in ends."""
         return max(self.perturbation_interval, self.burn_in_period)
+
+
+@dataclass(frozen=True)
+class Exploit:
+    """One exploit being decided (see `population`): `trial` takes over `donor`'s checkpoint at
+    its round `round`; `at` is the round whose scores decided it (None without `synch`: the
+    latest ones); the donor's config and the pause whose checkpoint is taken; and the
+    `population.Population` it is decided in, whose records a learning scheduler reads."""
+
+    trial: str
+    donor: str
+    round: int
+    at: int | None
+    donor_config: dict[str, Any]
+    donor_pause: dict[str, Any]
+    population: Any
 
 
 def quantiles(scores: dict[str, float], fraction: float, mode: str) -> tuple[list[str], list[str]]:
@@ -94,8 +128,8 @@ def explore(config: dict[str, Any], scheduler: PopulationBasedTraining, rng: ran
     """`config` with the hyperparameters of `scheduler.hyperparam_mutations` changed (see
     PopulationBasedTraining), then through `custom_explore_fn` if given."""
     out = _copy(config)
-    for path, spec in _flat(scheduler.hyperparam_mutations):
-        old = _get(config, path)
+    for path, spec in leaves(scheduler.hyperparam_mutations):
+        old = value_at(config, path)
         _set(out, path, _mutate(old, spec, scheduler, rng))
     if scheduler.custom_explore_fn is not None:
         out = scheduler.custom_explore_fn(out)
@@ -121,8 +155,8 @@ def _mutate(old: Any, spec: Any, scheduler: PopulationBasedTraining, rng: random
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """The values of `new` that differ from `old`, by path (nested dicts flattened)."""
-    flat_old = dict(_flat(old))
-    return {path: value for path, value in _flat(new) if flat_old.get(path, _MISSING) != value}
+    flat_old = dict(leaves(old))
+    return {path: value for path, value in leaves(new) if flat_old.get(path, _MISSING) != value}
 
 
 def apply(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -136,18 +170,21 @@ def apply(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 _MISSING = object()
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """(path, value) of each value of `tree` that is not a dict, nested dicts flattened (paths
+    as in `differences`)."""
     out = []
     for key, value in (tree or {}).items():
         path = f"{prefix}{ss.SEP}{key}" if prefix else str(key)
         if isinstance(value, dict):
-            out.extend(_flat(value, path))
+            out.extend(leaves(value, path))
         else:
             out.append((path, value))
     return out
 
 
-def _get(tree: dict[str, Any], path: str) -> Any:
+def value_at(tree: dict[str, Any], path: str) -> Any:
+    """The value at `path` in `tree`, or None when there is none."""
     node: Any = tree
     for part in path.split(ss.SEP):
         if not isinstance(node, dict) or part not in node:

@@ -10,7 +10,8 @@
    unfinished trial has paused at the same round, from the scores of that round (so the
    decision does not depend on when the trials got there): a trial in the bottom quantile
    exploits one of the top quantile (`pbt.quantiles`), drawn with a generator seeded by
-   (sweep seed, trial, round), and explores the donor's config (`pbt.explore`). The decision
+   (sweep seed, trial, round), and explores the donor's config (the scheduler's `new_config`:
+   `pbt.explore`, or PB2's bandit, `pb2`, from the same generator). The decision
    is written before anything is done about it (`decisions/<trial>-<round>.json`), so a driver
    killed at any moment after that applies the same decision when the sweep is restored.
 3. **Apply.** An exploit copies the donor's checkpoint into the trial's run as a committed
@@ -151,7 +152,9 @@ class Population:
         return pending(self.storage, trial, self.scheduler)
 
     def trial_stopper(self, stop: Any, metric: str | None) -> PBTStopper:
-        """The stop of a trial (`stop`: its `sweep_stop.TrialStop`) with its pause."""
+        """The stop of a trial (`stop`: its `sweep_stop.TrialStop`) with its pause; refuses a
+        config the scheduler cannot explore (`check_config`) before the trial runs."""
+        self.scheduler.check_config(self.config_of(stop.trial, False))
         return PBTStopper(stop.trial, stop.sweep_url, stop.storage_filesystem, self.scheduler, metric, stop)
 
     def catch_up(self, trial: str, user_stop: Any = None) -> None:
@@ -217,6 +220,7 @@ class Population:
         rel = f"{PBT_DIR}/decisions/{trial}-{n:04d}.json"
         decision = read_record(self.storage, rel)
         if decision is None:
+            faults.point("pbt_deciding")  # crash tests: paused, nothing chosen yet (chosen again)
             decision = self._choose(trial, paused)
             self.storage.makedirs(f"{PBT_DIR}/decisions")
             self.storage.write_json(rel, decision)
@@ -244,7 +248,8 @@ class Population:
             return {"round": n, "t": t, "action": "continue"}
         donor = rng.choice(top)
         donor_paused = self._pause(donor, at)
-        new_config = pbt.explore(self.config_of(donor, True), self.scheduler, rng)
+        exploit = pbt.Exploit(trial, donor, n, at, self.config_of(donor, True), donor_paused, self)
+        new_config = self.scheduler.new_config(exploit, rng)
         overrides = pbt.differences(self.config_of(trial, False), new_config)
         try:
             json.dumps(overrides)
@@ -254,7 +259,7 @@ class Population:
                              "strings, lists or dicts") from None
         return {"round": n, "t": t, "action": "exploit", "donor": donor,
                 "checkpoint": donor_paused["checkpoint"], "score": paused["score"],
-                "donor_score": donor_paused["score"],
+                "donor_score": donor_paused["score"], "donor_t": donor_paused["t"],
                 "old_config": _plain(self.config_of(trial, True)), "new_config": _plain(new_config),
                 "overrides": overrides}
 

@@ -103,6 +103,8 @@ class Tuner:
         self.run_config = run_config
         self._searcher = _searcher(self.tune_config)
         self._scheduler = _scheduler(self.tune_config)
+        if isinstance(self._scheduler, PopulationBasedTraining):
+            self._scheduler.check_space(self.param_space)
         self.metric, self.mode = _metric_mode(self.tune_config, self._searcher, self._scheduler)
         self._restored_from: str | None = None
         self._flags = ResumeFlags()
@@ -194,7 +196,8 @@ class Tuner:
                 space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
                 metric=self.metric, mode=self.mode, concurrency=self._concurrency(total, slots, gpus),
                 total=total, verbose=rc.verbose, slots=slots, gpus=gpus, time_budget_s=tc.time_budget_s,
-                naming=TrialNaming(tc.trial_name_creator, tc.trial_dirname_creator),
+                naming=TrialNaming(tc.trial_name_creator, tc.trial_dirname_creator,
+                                   trainable_name(self.trainable)),
                 on_ray=resolve_engine(trial_scaling(self.trainable)) == "ray")
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)

@@ -11,8 +11,11 @@
   the best go on (see `unbroken.tune.hyperband`).
 - `PopulationBasedTraining(...)`: trials of the bottom quantile take over the checkpoint of
   one of the top quantile and change their hyperparameters (see `unbroken.tune.population`).
+- `PB2(...)`: the same, with the new hyperparameters chosen within `hyperparam_bounds` by a
+  Gaussian-process bandit (see `unbroken.tune.pb2`; needs `pip install 'unbroken[pb2]'`).
+  Ray's module path works too: `unbroken.tune.schedulers.pb2`.
 
-Ray's other schedulers (HyperBand for BOHB, median stopping, PB2, resource changing) are
+Ray's other schedulers (HyperBand for BOHB, median stopping, resource changing) are
 refused at import with UnsupportedAPIError, which says what to use instead.
 """
 
@@ -24,6 +27,7 @@ from typing import Any
 from unbroken.core import ray_names as _ray_names
 from unbroken.tune.asha import ASHAScheduler
 from unbroken.tune.hyperband import HyperBandScheduler
+from unbroken.tune.pb2 import PB2
 from unbroken.tune.pbt import PopulationBasedTraining
 
 
@@ -37,7 +41,7 @@ class FIFOScheduler:
 
 AsyncHyperBandScheduler = ASHAScheduler
 
-__all__ = ["ASHAScheduler", "AsyncHyperBandScheduler", "FIFOScheduler", "HyperBandScheduler",
+__all__ = ["ASHAScheduler", "AsyncHyperBandScheduler", "FIFOScheduler", "HyperBandScheduler", "PB2",
            "PopulationBasedTraining"]
 
 

@@ -1,10 +1,6 @@
-"""Ray Tune's module path `ray.tune.schedulers.pb2`: `PB2` is not provided; importing it says
-what to use instead (UnsupportedAPIError)."""
+"""Ray Tune's module path `ray.tune.schedulers.pb2`: the same class as `unbroken.tune.schedulers`
+(defined in `unbroken.tune.pb2`)."""
 
-from typing import Any
+from unbroken.tune.pb2 import PB2
 
-from unbroken.core import ray_names as _ray_names
-
-
-def __getattr__(name: str) -> Any:
-    _ray_names.refuse("unbroken.tune.schedulers", name)  # PB2: the hint names PopulationBasedTraining
+__all__ = ["PB2"]
