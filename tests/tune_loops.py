@@ -234,12 +234,24 @@ def pbt_loop(config: dict) -> None:
 
 class Recorder(tune.Callback):
     """A sweep callback that appends each event it is given to the JSON-lines file `path`
-    (it survives a killed sweep driver), and prints it."""
+    (it survives a killed sweep driver), and prints it. Its state is the events it noted: a
+    restored sweep gives it back, and the file is cut to them, dropping what a killed driver
+    told it after its last save (told again after the restore, as Tune does)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.noted: list = []
+
+    def get_state(self) -> dict:
+        return {"noted": self.noted}
+
+    def set_state(self, state: dict) -> None:
+        self.noted = state["noted"]
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(event) + "\n" for event in self.noted)
 
     def _note(self, *event) -> None:
+        self.noted.append(list(event))
         line = json.dumps(event)
         with open(self.path, "a") as f:
             f.write(line + "\n")

@@ -76,6 +76,13 @@ class TrialRecord:
     started_at: float | None = None
     ended_at: float | None = None
     results_seen: int = 0              # the last iteration the sweep callbacks were given (tune.callback)
+    # What else the sweep callbacks were given (tune.callback, tune.trial_events): the last
+    # checkpoint, as [attempt, iteration]; the last attempt restored; the last failed attempt
+    # retried; whether the trial's end is still to be told.
+    saves_seen: list[int] | None = None
+    restores_seen: int = 0
+    recovers_seen: int = 0
+    end_due: bool = False
     title: str | None = None           # the name TuneConfig(trial_name_creator) gave it (tune.trial_naming)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -122,6 +129,8 @@ class SweepManifest(Manifest):
     # Why the sweep was ended before its trials were all done, and when: {"reason":
     # "ExperimentPlateauStopper.stop_all()", "at": 1767000000.0} (see tune.sweep_stop).
     stopped: dict[str, Any] | None = None
+    # The sweep callbacks' get_state(), saved with the marks above (see tune.callback_state).
+    callback_states: list[dict[str, Any]] | None = None
     schema_version: int = field(default=SCHEMA_VERSION, kw_only=True)
 
     def to_bytes(self) -> bytes:

@@ -29,9 +29,10 @@ def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRe
     FINISHED -> TERMINATED, ERRORED -> ERROR, anything else (INTERRUPTED, or RUNNING with its
     driver gone) -> INTERRUPTED, no run yet -> PENDING; a trial the scheduler stopped is
     TERMINATED; with population-based training or HyperBand, a FINISHED run that paused is
-    PAUSED, and PENDING once the pause was decided and before it ran again. A finished trial's record is
-    returned as it is. Reads only: the caller decides whether to record the result (only the
-    driver holding the sweep's lease writes)."""
+    PAUSED, and PENDING once the pause was decided and before it ran again; one that ended is due
+    to be told to the sweep callbacks. A finished trial's record is returned as it is. Reads
+    only: the caller decides whether to record the result (only the driver holding the sweep's
+    lease writes)."""
     if record.status in sw.DONE:
         return record
     out = dataclasses.replace(record)
@@ -65,6 +66,7 @@ def reconciled(storage: Storage, record: TrialRecord, scheduler: Any) -> TrialRe
             out.status = sw.INTERRUPTED
     if out.status in sw.DONE:
         out.ended_at = out.ended_at or time.time()
+        out.end_due = True  # the sweep callbacks were not told (tune.callback)
     return out
 
 
@@ -89,6 +91,8 @@ def rerun(storage: Storage, record: TrialRecord, restart: bool, pbt: Any, schedu
             storage.rename(record.name, aside)
             log.info("sweep %s: %s restarts from scratch; its old run is kept in %s", storage.url(),
                      record.name, aside)
+        # A new run: what the sweep callbacks are told of it starts again (tune.callback).
+        record.results_seen, record.saves_seen, record.restores_seen, record.recovers_seen = 0, None, 0, 0
         if pbt is not None:
             pbt.forget(record.name)
             record.overrides = None

@@ -33,6 +33,8 @@ from unbroken.store.pickled import SavedPickles, pickled_files, refuse_pickles, 
 from unbroken.store.storage import Storage, split_run_url
 from unbroken.train.trainer import BaseTrainer
 from unbroken.tune import search_space as ss
+from unbroken.tune.callback import split
+from unbroken.tune.callback_state import check_matches, pickled_names
 from unbroken.tune.function_trainable import FunctionTrainable
 from unbroken.tune.trial import check_trainable, trainable_name
 from unbroken.tune.tune_config import TuneConfig
@@ -142,6 +144,7 @@ class SavedSweep:
         rc = given if given is not None else (self.run_config() or RunConfig())
         if not isinstance(rc, RunConfig):
             raise TypeError(f"run_config must be a RunConfig, got {type(rc).__name__}")
+        check_matches(self.manifest.callback_states, split(rc.callbacks)[0], self.path)  # before any write
         storage_path, name = split_run_url(self.path)
         return dataclasses.replace(rc, name=name, storage_path=storage_path,
                                    storage_filesystem=storage_filesystem or rc.storage_filesystem)
@@ -183,6 +186,9 @@ class SavedSweep:
         if "run_config" in m.pickled_params and not run_config_given:
             what.append("the run_config")
             respecify.append("run_config")
+        if pickled_names(m.callback_states):
+            what.append("the saved state of a sweep callback")
+            notes.append("a sweep callback whose get_state() returns plain data is saved as JSON")
         call = f"Tuner.restore({self.path!r}{', trainable' if trainable_given else ''}, allow_pickle=False)"
         refuse_pickles(what, self.path, call, respecify, "; ".join(notes), kind="sweep")
 

@@ -68,6 +68,15 @@ class SweepDriver(PreparedSweep):
     relaunching: dict[str, Callable[[], bool]] = field(default_factory=dict)  # queued after a lost driver
     _done_at_start: int = 0  # trials already done when execute() began
 
+    def save(self) -> None:
+        """Save the manifest with the sweep callbacks' states in it: each write that moves a
+        mark of what they were given holds the states they have after it (tune.callback)."""
+        if self.events is not None:
+            self.events.states.capture()
+        super().save()
+        if self.events is not None:
+            self.events.states.saved()
+
     def _say(self, message: str, *args: Any) -> None:
         if self.verbose >= 1:
             log.info("sweep %s: " + message, self.name, *args)
@@ -130,6 +139,7 @@ class SweepDriver(PreparedSweep):
         # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
         faults.point("before_trial_record")
         record.status, record.error, record.ended_at = status, error, time.time()
+        record.end_due = status in sw.DONE and self.events is not None and bool(self.events.callbacks)
         if status == sw.TERMINATED and isinstance(self.scheduler, asha.ASHAScheduler):
             decision = asha.read_decision(self.storage, record.name)
             record.stopped_early = asha.describe_decision(decision) if decision else None
@@ -221,9 +231,12 @@ class SweepDriver(PreparedSweep):
     def _run_trials(self, running: RunningTrials, interrupts: Interrupts) -> int:
         """The driver's loop: beat the lease, forward new signals, start trials while none was
         forwarded, wait, and record the trials whose processes ended; until no trial runs and
-        none is left to start. Returns how many signals were forwarded (0: none came)."""
-        forwarded = 0
-        while True:
+        none is left to start. Each pass is a step of the sweep callbacks. Returns how many
+        signals were forwarded (0: none came)."""
+        forwarded, done = 0, False
+        while not done:
+            if self.events is not None:
+                self.events.step_begin()
             self.lease.beat()
             self._watch()
             if interrupts.count > forwarded:
@@ -231,12 +244,14 @@ class SweepDriver(PreparedSweep):
                 running.forward(interrupts.signal_name, self.name)
             if not forwarded:
                 self._start_trials(running)
-            if not running and (forwarded or not self.relaunching):
-                return forwarded
-            for ended in running.reap(running.wait(interrupts)):
+            done = not running and bool(forwarded or not self.relaunching)
+            for ended in [] if done else running.reap(running.wait(interrupts)):
                 if self.gpus is not None:
                     self.gpus.give(ended.gpus)
                 self._collect(ended, stopping=bool(forwarded))
+            if self.events is not None:
+                self.events.step_end()
+        return forwarded
 
     def _watch(self) -> None:
         """Give the sweep callbacks the trials' new results, and end the sweep when its

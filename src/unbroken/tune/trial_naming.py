@@ -25,12 +25,14 @@ class TrialNaming:
 
     name_creator: Callable[[Trial], str] | None = None
     dirname_creator: Callable[[Trial], str] | None = None
+    trainable_name: str = ""
 
     def names(self, index: int, trial_id: str, config: dict[str, Any],
               taken: set[str]) -> tuple[str, str | None]:
         """(the directory name, the trial name when a creator gives one) of trial `index`."""
         default = sw.trial_name(index)
-        view = Trial(trial_id=trial_id, trial_name=default, config=config, status=sw.PENDING, path="")
+        view = Trial(trial_id=trial_id, trial_name=default, config=config, status=sw.PENDING, path="",
+                     trainable_name=self.trainable_name)
         title = None
         if self.name_creator is not None:
             title = _checked(self.name_creator(view), "trial_name_creator")
