@@ -1,0 +1,6 @@
+"""Ray Tune's `ray.tune.search.ax` module path: importing it fails at once with
+UnsupportedAPIError saying what to use instead of `AxSearch`."""
+
+from unbroken.core import ray_names as _ray_names
+
+_ray_names.refuse("unbroken.tune.search", "AxSearch")
