@@ -16,25 +16,26 @@ import copy
 import dataclasses
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from unbroken.core import faults
 from unbroken.core.config import RunConfig, ScalingConfig
 from unbroken.errors import (
     InsufficientResourcesError,
     LeaseLostError,
-    TrainingInterruptedError,
 )
 from unbroken.execution import controller_state as states
+from unbroken.execution.attempt_endings import AttemptEndings
 from unbroken.execution.attempt_loop import AttemptLoop
 from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
 from unbroken.execution.failure_policy import FailurePolicy
 from unbroken.execution.in_place import InPlacePlan
-from unbroken.execution.notices import MetadataWatch, Notice
+from unbroken.execution.notices import MetadataWatch
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.rank_payload import rank_payload
-from unbroken.execution.recovery import Next, Recovery, record_safely
+from unbroken.execution.recovery import Recovery, record_safely
 from unbroken.execution.report_pipeline import ReportPipeline
 from unbroken.execution.validations import ValidationRunner, Validations
 from unbroken.execution.worker_failures import first_line, give_up_error
@@ -81,6 +82,8 @@ class Controller:
                                        start_limit=trainer.run_spec.elastic_start_limit)
                          if self.scaling.elasticity_enabled else None)
         self._recovery = Recovery(run, self.run_config.failure_config, self.policy, self._elastic)
+        self._endings = AttemptEndings(run, self.run_config, self._recovery, self.interrupts, restore_hint,
+                                       lambda: self.state, self._transition)
         self._placements: list[Placement] = []  # the attempt's ranks, by rank
 
     @property
@@ -96,26 +99,30 @@ class Controller:
         self._state = new
 
     def execute(self) -> None:
-        """Run attempts until one finishes; raise TrainingFailedError when the policy gives up
-        and TrainingInterruptedError on SIGTERM/SIGINT."""
+        """Run the step of the state the controller is in (`STEPS`) until it is terminal:
+        FINISHED returns; raises TrainingFailedError when the policy gives up and
+        TrainingInterruptedError on SIGTERM/SIGINT."""
         with self.interrupts:
             self._spot.start()
             try:
-                while True:
-                    if self.interrupts.count:
-                        self._interrupted()
-                    if self._attempt():
-                        return
+                while not self._state.is_terminal():
+                    self.STEPS[type(self._state)](self)
             finally:
                 self._spot.close()
                 self._validations.close()  # one still in flight runs again under the next driver
                 self._recovery.close()
                 record_safely(self.run, self.run.lease.release)  # also when an attempt could not even begin
 
-    def _attempt(self) -> bool:
-        """One attempt: True when the run finished, False when the workers should restart."""
+    def _next_attempt(self) -> None:
+        """RESTARTING, RESIZING or PREEMPTED: the next attempt is STARTING."""
         self._transition(states.Starting(self.run.manifest.attempt_count + 1))
-        self._placements, loop = [], None
+
+    def _begin(self) -> None:
+        """STARTING: begin the attempt in the run's records and start its ranks -> RUNNING (a
+        signal seen before it -> INTERRUPTED)."""
+        if self.interrupts.count:
+            self._endings.interrupted()
+        self._placements = []
         rejoin = self._recovery.staying()
         peer = rejoin[1] if rejoin is not None else None
         elastic = self._size_attempt(peer) if self._elastic is not None else None
@@ -128,43 +135,58 @@ class Controller:
             log.info("run %s: attempt %d resumes from %s", self.run.path, attempt, resume.name)
         group = None
         try:
-            warm = self._recovery.warm
-            group = rejoin[0] if rejoin is not None else self.group_factory(self.scaling, warm=warm)
+            group = (rejoin[0] if rejoin is not None
+                     else self.group_factory(self.scaling, warm=self._recovery.warm))
             self._start(group, resume, attempt, peer)
-            loop = AttemptLoop(group, self.run, self.run_config, self.scaling.num_workers, self._reports,
-                               self._recovery, self._validations, self.interrupts, self._spot, self._elastic,
-                               lambda: self.state, self._transition)
+        except BaseException as error:
+            self._failed(group, None, error, attempt)
+
+    def _drive(self) -> None:
+        """RUNNING: the attempt's event loop (`attempt_loop`), then what its end means: FINISHED,
+        or where its stop (a resize, a preemption) or its failure leads."""
+        running = self._state
+        assert isinstance(running, states.Running) and running.group is not None
+        group, attempt = running.group, running.attempt
+        loop = AttemptLoop(group, self.run, self.run_config, self.scaling.num_workers, self._reports,
+                           self._recovery, self._validations, self.interrupts, self._spot, self._elastic,
+                           lambda: self.state, self._transition)
+        try:
             loop.drive()
         except BaseException as error:
-            if group is not None:
-                failures = loop.failures if loop else []
-                preempted = states.notice_of(self.state) is not None
-                self._recovery.hand_back(group, error, failures, self._placements, preempted)
-            if isinstance(error, LeaseLostError):
-                raise  # the run belongs to another driver now: write nothing more to it
-            if self._gives_up(error, attempt):
-                if not isinstance(error, Exception):
-                    raise
-                raise give_up_error(error,
-                    f"training failed in attempt {attempt} of run {self.run.path!r}: {first_line(error)}\n"
-                    f"The run and its checkpoints are kept. After fixing the cause, continue it with "
-                    f"{self.restore_hint}") from error
-            return False
+            self._failed(group, loop, error, attempt)
+            return
         group.shutdown()
         if isinstance(self.state, states.Stopping) and self.state.stopped:
             if self.state.resize_to is None:
-                if self._preempted():
-                    return False
-                self._interrupted()
+                if not self._endings.preempted():
+                    self._endings.interrupted()
+                return
             self.run.end_attempt(mf.RESIZED)
             faults.point("after_resize_stop")  # crash tests: between the two attempts of a resize
             self._transition(states.Resizing(attempt, self.state.resize_to))
-            return False
+            return
         self._validations.wait_all()  # the Result shows every checkpoint's validation ended
         self.run.end_attempt(mf.FINISHED)
         self.run.finish(mf.FINISHED)
         self._transition(states.Finished())
-        return True
+
+    def _failed(self, group: WorkerGroup | None, loop: AttemptLoop | None, error: BaseException,
+                attempt: int) -> None:
+        """Attempt `attempt` failed with `error`: recovery settles what can be saved from the
+        group, then the failure policy says RESTARTING (or PREEMPTED), or the run ends
+        ERRORED/INTERRUPTED and this raises."""
+        if group is not None:
+            preempted = states.notice_of(self.state) is not None
+            self._recovery.hand_back(group, error, loop.failures if loop else [], self._placements, preempted)
+        if isinstance(error, LeaseLostError):
+            raise error  # the run belongs to another driver now: write nothing more to it
+        if self._endings.gives_up(error, attempt):
+            if not isinstance(error, Exception):
+                raise error
+            raise give_up_error(error,
+                f"training failed in attempt {attempt} of run {self.run.path!r}: {first_line(error)}\n"
+                f"The run and its checkpoints are kept. After fixing the cause, continue it with "
+                f"{self.restore_hint}") from error
 
     def _size_attempt(self, peer: InPlacePlan | None) -> dict[str, Any]:
         """An elastic run: size this attempt (`ElasticScaler.size`). Returns the attempt's
@@ -196,75 +218,10 @@ class Controller:
         self._placements = (group.rejoin(payload, set(peer.replaced)) if peer is not None
                             else group.start(payload))
         self._recovery.started()
-        self._transition(states.Running(attempt))
+        self._transition(states.Running(attempt, group))
 
-    def _gives_up(self, error: BaseException, attempt: int) -> bool:
-        """Close failed attempt `attempt`; ask the failure policy: False to restart, True (run closed)
-        to raise `error`. Raises TrainingInterruptedError when a second signal stopped the workers,
-        or when the attempt ended for a preemption notice (its ranks gave their step up, or
-        failed, once the notice came): a preemption is not a failure, and where the notice named
-        some ranks' nodes only, the run goes on (False)."""
-        if self._preempted(error):
-            return False
-        if isinstance(self.state, states.Interrupted) or states.notice_of(self.state) is not None:
-            self._interrupted()
-        record_safely(self.run, self.run.end_attempt, mf.ERRORED, error)
-        after = self._recovery.decide(error)
-        if after is not Next.GIVE_UP:
-            self._transition(states.Restarting(attempt, error))
-            log.warning("run %s: attempt %d failed (%s); %s (failure %d of %s)", self.run.path, attempt,
-                        first_line(error), after.value, getattr(self.policy, "failures", 0),
-                        self.run_config.failure_config.max_failures)
-            return False
-        self._transition(states.Errored(error))
-        status = mf.ERRORED if isinstance(error, Exception) else mf.INTERRUPTED
-        record_safely(self.run, self.run.finish, status)
-        return True
-
-    def _preempted(self, error: BaseException | None = None) -> bool:
-        """An attempt stopped for a preemption notice that named some of its ranks' nodes (a Ray
-        drain), cleanly or failing once the notice came: end it PREEMPTED and go on without those
-        nodes, unless `max_preemption_failures` attempts of this fit() were preempted already.
-        False where the run stops instead (`_interrupted`): a notice for the driver's machine."""
-        notice, attempt = states.notice_of(self.state), self.run.attempt
-        if notice is None or notice.ranks is None:
-            return False
-        limit = self.run_config.failure_config.max_preemption_failures
-        before = sum(a.status == mf.PREEMPTED and a.fit_started_at == attempt.fit_started_at
-                     for a in self.run.manifest.attempts)
-        if limit != -1 and before >= limit:
-            log.warning("run %s: %d attempts of this fit() were preempted, the most "
-                        "FailureConfig(max_preemption_failures=%d) goes on after", self.run.path, before,
-                        limit)
-            return False
-        self._end_preempted(notice, error)
-        self._transition(states.Preempted(attempt.number, notice))
-        log.warning("run %s: attempt %d preempted (%s, node %s, rank(s) %s); the next attempt runs without "
-                    "that node", self.run.path, attempt.number, notice.source, notice.node,
-                    list(notice.ranks))
-        return True
-
-    def _end_preempted(self, notice: Notice, error: BaseException | None = None) -> None:
-        """End the attempt as PREEMPTED, with `notice` in its record."""
-        self.run.attempt.preempted = notice.record()
-        record_safely(self.run, self.run.end_attempt, mf.PREEMPTED, error)
-
-    def _interrupted(self) -> None:
-        """Close the attempt (PREEMPTED after a preemption notice, with the notice in its
-        record) and the run as INTERRUPTED, and raise with the restore hint."""
-        notice = states.notice_of(self.state)
-        if not isinstance(self.state, states.Interrupted):  # a second signal made it so already
-            self._transition(states.Interrupted(self.interrupts.signal_name))
-        if self.run.attempt is not None and self.run.attempt.ended_at is None:
-            if notice is not None:
-                self._end_preempted(notice)
-            else:
-                self.run.end_attempt(mf.INTERRUPTED)
-        self.run.finish(mf.INTERRUPTED)
-        latest = self.run.checkpoints.latest
-        where = (f"its latest committed checkpoint is {latest.name} (iteration {latest.iteration})"
-                 if latest else "it has no committed checkpoint yet")
-        cause = self.interrupts.signal_name if notice is None else f"a preemption notice ({notice.source})"
-        raise TrainingInterruptedError(
-            f"run {self.run.path!r} was interrupted by {cause}; {where}.\n"
-            f"Continue it with {self.restore_hint}") from None
+    # The step of each non-terminal state the controller can be in between steps (STOPPING
+    # lives inside RUNNING's step: the attempt loop enters it, and its end leaves it).
+    STEPS: ClassVar[dict[type[states.ControllerState], Callable[[Controller], None]]] = {
+        states.Starting: _begin, states.Running: _drive,
+        states.Restarting: _next_attempt, states.Resizing: _next_attempt, states.Preempted: _next_attempt}

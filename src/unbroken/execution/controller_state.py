@@ -2,7 +2,8 @@
 
 A controller (`unbroken.execution.controller`) is in exactly one of these at a time and moves
 between them only through `Controller._transition`, which checks each move with
-`check_transition`. Modelled on Ray Train V2's `controller/state.py`. The moves:
+`check_transition`; its loop runs the step of the state it is in (`Controller.STEPS`) until
+one is terminal. Modelled on Ray Train V2's `controller/state.py`. The moves:
 
 - Starting -> Running -> Finished: an attempt starts its workers, which run to the end (also
   from Stopping, when they end before the checkpoint asked for).
@@ -25,10 +26,13 @@ Finished, Interrupted and Errored are terminal (`is_terminal`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, ClassVar
 
 from unbroken.execution.notices import Notice
+
+if TYPE_CHECKING:
+    from unbroken.execution.engine.base import WorkerGroup
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,12 @@ class Starting(ControllerState):
 
 @dataclass(frozen=True)
 class Running(ControllerState):
-    """The ranks of attempt `attempt` are running their training loop; the controller records
-    their report rounds."""
+    """The ranks of attempt `attempt` are running their training loop on `group` (its worker
+    group); the controller records their report rounds."""
 
     name: ClassVar[str] = "RUNNING"
     attempt: int
+    group: WorkerGroup | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
