@@ -77,7 +77,7 @@ def test_rounds_become_rows_and_every_rank_gets_each_reply(storage):
 
 
 def test_a_round_completed_after_a_failure_is_kept_and_the_retry_resumes_from_it(storage, monkeypatch):
-    monkeypatch.setattr("unbroken.execution.recovery.WARM_UP_AFTER_S", 0.0)
+    monkeypatch.setattr("unbroken.execution.recovery.after_failure.WARM_UP_AFTER_S", 0.0)
     # Rank 1 raises right after report 2; the slower rank 0 sends its report 2 only in a later
     # poll, after the driver has seen the error.
     h = Harness(storage, [

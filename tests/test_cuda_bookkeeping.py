@@ -7,7 +7,7 @@ import torch
 
 from unbroken.state import state_file
 from unbroken.state.state_file import capture_rng, map_location, restore_rng, snapshot
-from unbroken.worker import jit
+from unbroken.worker.recovery import just_in_time as jit
 
 
 class FakeCuda:

@@ -130,7 +130,7 @@ def test_a_lost_node_shrinks_at_once_and_returning_capacity_grows_at_a_checkpoin
 
 def test_a_killed_rank_on_a_live_node_restarts_at_the_same_size_from_the_group_kept_warm(
         storage, monkeypatch):
-    monkeypatch.setattr("unbroken.execution.recovery.WARM_UP_AFTER_S", 0.0)
+    monkeypatch.setattr("unbroken.execution.recovery.after_failure.WARM_UP_AFTER_S", 0.0)
     probe = Probe(total=3)
     killed = reports(1, 2, checkpoint_from=2) + [die()]
     h = ElasticHarness(storage, {3: [[reports(1, 3)] * 2 + [killed], [reports(3, 4)] * 3]}, probe,
@@ -142,7 +142,7 @@ def test_a_killed_rank_on_a_live_node_restarts_at_the_same_size_from_the_group_k
 
 
 def test_a_lost_node_shrinks_onto_the_spares_the_failed_group_kept_warm(storage, monkeypatch):
-    monkeypatch.setattr("unbroken.execution.recovery.WARM_UP_AFTER_S", 0.0)
+    monkeypatch.setattr("unbroken.execution.recovery.after_failure.WARM_UP_AFTER_S", 0.0)
     probe = Probe(total=3)
     lost = reports(1, 2, checkpoint_from=2) + [call(lambda: setattr(probe, "total", 2)), lose_node()]
     h = ElasticHarness(storage, {3: [[reports(1, 3)] * 2 + [lost]], 2: [[reports(3, 4)] * 2]}, probe,

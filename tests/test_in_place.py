@@ -243,7 +243,7 @@ def test_an_elastic_shrink_numbers_the_ranks_left_again_in_order_node_by_node():
     # Pure: the plan without the ranks lost with their node, and the placements of those left.
     from unbroken.errors import WorkerDied
     from unbroken.execution.engine.base import Placement, renumbered
-    from unbroken.execution.in_place import InPlacePlan, shrunk
+    from unbroken.execution.recovery.in_place import InPlacePlan, shrunk
 
     plan = InPlacePlan(iteration=6, source=1, kept=(1, 3), replaced=(0, 2))
     without = plan.without({2})
@@ -269,9 +269,9 @@ def test_an_elastic_shrink_numbers_the_ranks_left_again_in_order_node_by_node():
 def test_recovery_says_with_the_failure_policy_how_a_failed_attempt_goes_on():
     # Pure: the failure policy decides whether to go on; the plan left by the failed attempt
     # (its ranks stayed, some lost with their node) decides how; a recovery in place counts.
-    from unbroken.execution.failure_policy import FailurePolicy
-    from unbroken.execution.in_place import InPlacePlan
-    from unbroken.execution.recovery import Next, Recovery
+    from unbroken.execution.recovery.after_failure import Next, Recovery
+    from unbroken.execution.recovery.failure_policy import FailurePolicy
+    from unbroken.execution.recovery.in_place import InPlacePlan
 
     config = FailureConfig(max_failures=3)
     recovery = Recovery(None, config, FailurePolicy(config), None)

@@ -21,12 +21,12 @@ from loops import exact_loop
 from test_exact_resume import BASE, assert_same_run
 from unbroken import train
 from unbroken.cli import commands as cli
-from unbroken.execution.jit_coordinator import OFFER_WAIT_S, Coordinator
+from unbroken.execution.recovery.just_in_time import OFFER_WAIT_S, Coordinator
 from unbroken.state.state_file import capture_rng, restore_rng
 from unbroken.train import FailureConfig, RunConfig, ScalingConfig
 from unbroken.train.torch import TorchTrainer, TrainState, prepare_model
-from unbroken.worker.jit import seed_step
-from unbroken.worker.protocol import JitArmed, JitOffer, JitSaved
+from unbroken.worker.recovery.just_in_time import seed_step
+from unbroken.worker.recovery.messages import JitArmed, JitOffer, JitSaved
 
 STEP = 6  # the report the failures follow
 PERIODIC = 4  # the periodic checkpoint before it
@@ -222,7 +222,7 @@ TRACKER = """
 import torch
 from unbroken import train
 from unbroken.cli import commands as cli
-from unbroken.worker.jit import Tracker
+from unbroken.worker.recovery.just_in_time import Tracker
 from unbroken.train.torch import TrainState
 
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))

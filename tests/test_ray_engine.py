@@ -313,7 +313,8 @@ def test_a_run_on_object_storage_shared_by_every_node_survives_a_killed_rank(clu
 # -- failures ------------------------------------------------------------------------------
 def test_a_killed_a_raising_and_a_stuck_rank_each_restart_the_group_from_the_checkpoint(
         cluster, storage, tmp_path, monkeypatch):
-    monkeypatch.setattr("unbroken.execution.recovery.WARM_UP_AFTER_S", 0.0)  # warm up at the first round
+    # warm up at the first round
+    monkeypatch.setattr("unbroken.execution.recovery.after_failure.WARM_UP_AFTER_S", 0.0)
     result = trainer(storage, "failing-ranks", str(tmp_path), max_failures=3, hang_timeout_s=6,
                      kill_worker_at=[5, 1], fail_at=[6, 2], hang_at=[7, 3]).fit()
     assert iterations(result) == list(range(1, 9))
@@ -534,7 +535,7 @@ def test_a_killed_rank_on_ray_is_replaced_in_place_while_the_survivor_keeps_its_
     in_loop = how == "sigkill-in-loop"
     step = 5 if in_loop else 6
     local = jit_run("local", storage, f"in-place-local-{how}")
-    monkeypatch.setattr("unbroken.execution.recovery.WARM_UP_AFTER_S", 0.0)
+    monkeypatch.setattr("unbroken.execution.recovery.after_failure.WARM_UP_AFTER_S", 0.0)
     dies = [[step, 1, 1, how.removesuffix("-in-loop")]]
     if how == "raise-untracked":
         monkeypatch.setenv("UNBROKEN_FAULT", "after_report:6:raise:1:once")

@@ -164,7 +164,7 @@ class FailureConfig:
       since it are redone (a loop without a TrainState always recovers so).
     - "just_in_time": first, a surviving rank whose state is clean since the last report saves
       that report round as a checkpoint (the run's TrainState tracks it: see
-      `unbroken.worker.jit`); at most the step in flight is redone.
+      `unbroken.worker.recovery.just_in_time`); at most the step in flight is redone.
     - "in_place": the surviving ranks keep their processes, only the failed ranks are started
       again, and the state of the last complete report goes from a survivor to every rank
       over the new process group instead of through storage (local and Ray engines; an

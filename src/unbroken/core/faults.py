@@ -16,7 +16,7 @@ before_marker, after_marker, before_rename, after_rename (driver, commit);
 before_delete, during_delete (driver, retention); before_replace (any atomic file
 replace: run.json, result rows, lease); after_report (worker, right after it sent a report);
 during_jit_save (the worker saving a just-in-time checkpoint, between its files: see
-`worker.jit`); during_copy_rename (a directory moved on an object store, where it is copied
+`worker.recovery.just_in_time`); during_copy_rename (a directory moved on an object store, where it is copied
 file by file and then removed: after each file copied, e.g. a torn checkpoint set aside);
 before_trial_record (sweep driver, when a trial's process has ended and before sweep.json
 records how the trial ended); after_fold (object stores: result.json rewritten with its
@@ -25,7 +25,7 @@ parts folded in, before the parts are removed; see `store.appender`); before_val
 `execution.validations`); after_resize_stop (driver: an elastic run's attempt stopped at the
 checkpoint it asked for, to grow, and the next attempt has not started); during_peer_share
 (worker: an attempt recovering in place, between the size and the state of the transfer,
-see `worker.peer_state`); before_attach_staged (worker: a stopped class trainable's
+see `worker.recovery.peer_state`); before_attach_staged (worker: a stopped class trainable's
 `checkpoint_at_end` files are staged and the driver not told yet; see `report_pipeline`).
 """
 

@@ -3,7 +3,9 @@
 `unbroken.train`, `unbroken.train.torch`, `unbroken.train.lightning`,
 `unbroken.train.huggingface` and `unbroken.tune.schedulers` look a missing name up here (their
 module `__getattr__`), so that a script ported from Ray that imports one fails at that import
-with UnsupportedAPIError saying what to use, not with a bare "cannot import name". The full
+with UnsupportedAPIError saying what to use, not with a bare "cannot import name". Ray's
+module paths with nothing unbroken provides (`tune.search.ax`, `tune.integration.xgboost`,
+`air.integrations.mlflow`, ...) are modules that refuse one name here when imported. The full
 list of Ray Train V2's names and what unbroken does with each is docs/porting-from-ray.md.
 """
 
@@ -11,6 +13,12 @@ from __future__ import annotations
 
 from unbroken.errors import UnsupportedAPIError
 
+_OWN_CALLBACK = ("Hint: report from a callback of your own: {how} calls tune.report(metrics, checkpoint=...) "
+                 "(unbroken.tune's function API; unbroken.train.report in a Trainer's training function)")
+_INTEGRATION = "its {what} TuneReportCallback and TuneReportCheckpointCallback have no counterpart. "
+_LOGGER = ("its {cls} is unbroken.train.{cls}, for a Trainer's or a Tuner's RunConfig(callbacks=[...]) "
+           "(one {service} run per run or trial); {setup} is not provided. Hint: from unbroken.train import "
+           "{cls}; instead of {setup}, call {module} yourself in the training function")
 _HYPERBAND = ("HyperBand for BOHB (with TuneBOHB's searcher) is not provided. Hint: use HyperBandScheduler "
               "(synchronous HyperBand) or ASHAScheduler(brackets=N) with OptunaSearch")
 
@@ -23,6 +31,12 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
         **{name: f"it is unbroken.train.{name}. Hint: from unbroken.train import {name}"
            for name in ("Checkpoint", "ScalingConfig", "RunConfig", "CheckpointConfig", "FailureConfig",
                         "Result")},
+    },
+    "unbroken.air.integrations": {
+        "mlflow": _LOGGER.format(cls="MLflowLoggerCallback", service="MLflow", setup="setup_mlflow",
+                                 module="mlflow"),
+        "wandb": _LOGGER.format(cls="WandbLoggerCallback", service="W&B", setup="setup_wandb",
+                                module="wandb.init/wandb.log"),
     },
     "unbroken.train": {
         "DataConfig": "datasets are split among the ranks by train.get_dataset_shard(name). Hint: drop "
@@ -77,17 +91,33 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                               "function or Trainable class to tune.Tuner",
         "register_env": "RLlib environments are not part of unbroken. Hint: build the environment inside "
                         "the trainable",
-        "PlacementGroupFactory": "a trial's resources are a dict or a ScalingConfig. Hint: "
-                                 "tune.with_resources(trainable, {'cpu': 2, 'gpu': 1})",
+        "PlacementGroupFactory": "a trial's resources are a dict or a ScalingConfig, and unbroken "
+                                 "places the workers itself. Hint: tune.with_resources(trainable, "
+                                 "{'cpu': 2, 'gpu': 1}), or a Trainer's ScalingConfig(num_workers=..., "
+                                 "use_gpu=..., resources_per_worker=...)",
         "TuneError": "unbroken raises its own errors. Hint: catch unbroken.errors.UnbrokenError (a "
                      "failed trial is in ResultGrid.errors)",
-        "SyncConfig": "trials write straight to storage_path; there is nothing to sync. Hint: drop "
-                      "sync_config",
+        "SyncConfig": "trials write straight to storage_path, a local path or an fsspec URL; there is "
+                      "nothing to sync. Hint: drop sync_config and give RunConfig(storage_path="
+                      "'s3://bucket/prefix') (or storage_filesystem=a configured fsspec filesystem)",
         "ResumeConfig": "Tuner.restore takes resume_unfinished, resume_errored and restart_errored. Hint: "
                         "tune.Tuner.restore(path, trainable, resume_errored=True)",
         **{name: "the sweep driver logs one line per trial start and end on the 'unbroken' logger. Hint: "
                  "write a tune.Callback (on_trial_result) for a table of your own"
            for name in ("CLIReporter", "JupyterNotebookReporter", "ProgressReporter")},
+    },
+    "unbroken.tune.integration": {
+        "lightgbm": _INTEGRATION.format(what="LightGBM") + _OWN_CALLBACK.format(
+            how="a function in lgb.train(callbacks=[...]) that reads env.evaluation_result_list and"),
+        "xgboost": _INTEGRATION.format(what="XGBoost") + _OWN_CALLBACK.format(
+            how="an xgboost.callback.TrainingCallback whose after_iteration reads evals_log and"),
+        "keras": _INTEGRATION.format(what="Keras") + _OWN_CALLBACK.format(
+            how="a keras.callbacks.Callback whose on_epoch_end(epoch, logs)"),
+        "pytorch_lightning": _INTEGRATION.format(what="PyTorch Lightning") + (
+            "Hint: pass unbroken.train.lightning.RayTrainReportCallback() in pl.Trainer(callbacks=[...]), in "
+            "a function trainable or a TorchTrainer's training function: it reports callback_metrics with "
+            "a checkpoint at each epoch's end (docs/integrations.md; for transformers.Trainer, "
+            "unbroken.train.huggingface.transformers.RayTrainReportCallback)"),
     },
     "unbroken.tune.search": {
         **{name: "no counterpart: OptunaSearch covers TPE, CMA-ES and Gaussian-process sampling through "
@@ -130,5 +160,5 @@ def refuse(module: str, name: str) -> None:
     if hint is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     library = ("Ray Tune" if module.startswith("unbroken.tune") else
-               "Ray AIR" if module == "unbroken.air" else "Ray Train")
+               "Ray AIR" if module.startswith("unbroken.air") else "Ray Train")
     raise UnsupportedAPIError(f"{module}.{name} ({library}'s) is not provided: {hint}", name=name)

@@ -17,7 +17,7 @@ from unbroken.errors import TrainingInterruptedError
 from unbroken.execution import controller_state as states
 from unbroken.execution.notices import Notice
 from unbroken.execution.preemption import Interrupts
-from unbroken.execution.recovery import Next, Recovery, record_safely
+from unbroken.execution.recovery.after_failure import Next, Recovery, record_safely
 from unbroken.execution.worker_failures import first_line
 from unbroken.run.handle import Run
 from unbroken.store import manifest as mf

@@ -29,18 +29,16 @@ from unbroken.execution.elastic import ElasticScaler
 from unbroken.execution.engine.base import WorkerGroup, send_each
 from unbroken.execution.notices import DrainWatch, MetadataWatch, Notice, machine_notice
 from unbroken.execution.preemption import Interrupts
-from unbroken.execution.recovery import Failures, Recovery
+from unbroken.execution.recovery.after_failure import Failures, Recovery
 from unbroken.execution.report_pipeline import ReportPipeline, Round
 from unbroken.execution.report_rounds import ReportRounds
 from unbroken.execution.validations import Validations
 from unbroken.execution.worker_failures import record, root_cause, worker_exception
 from unbroken.run.handle import Run
 from unbroken.worker.protocol import (
-    JIT_MESSAGES,
     Done,
     Failed,
     Gather,
-    JitArmed,
     Rendezvous,
     Reply,
     Report,
@@ -48,6 +46,7 @@ from unbroken.worker.protocol import (
     Terminating,
     Validated,
 )
+from unbroken.worker.recovery.messages import JIT_MESSAGES, JitArmed
 
 log = logging.getLogger("unbroken")
 

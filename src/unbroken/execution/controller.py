@@ -30,12 +30,12 @@ from unbroken.execution.attempt_endings import AttemptEndings
 from unbroken.execution.attempt_loop import AttemptLoop
 from unbroken.execution.elastic import CapacityProbe, ElasticScaler, Unbounded
 from unbroken.execution.engine.base import Placement, WorkerGroup, WorkerGroupFactory
-from unbroken.execution.failure_policy import FailurePolicy
-from unbroken.execution.in_place import InPlacePlan
 from unbroken.execution.notices import MetadataWatch
 from unbroken.execution.preemption import Interrupts
 from unbroken.execution.rank_payload import rank_payload
-from unbroken.execution.recovery import Recovery, record_safely
+from unbroken.execution.recovery.after_failure import Recovery, record_safely
+from unbroken.execution.recovery.failure_policy import FailurePolicy
+from unbroken.execution.recovery.in_place import InPlacePlan
 from unbroken.execution.report_pipeline import ReportPipeline
 from unbroken.execution.validations import ValidationRunner, Validations
 from unbroken.execution.worker_failures import first_line, give_up_error

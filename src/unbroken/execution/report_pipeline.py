@@ -135,7 +135,7 @@ class ReportPipeline:
 
     def commit_late(self, iteration: int, per_rank_files: list[Any], row: dict[str, Any]) -> Marker:
         """Commit the checkpoint a rank saved just in time for round `iteration`, recorded
-        earlier as `row` (see `jit_coordinator`); the round's name is the default one."""
+        earlier as `row` (see `recovery.just_in_time`); the round's name is the default one."""
         return self.run.commit_checkpoint(iteration, per_rank_files, row)
 
     def can_complete(self, gone: set[int]) -> bool:

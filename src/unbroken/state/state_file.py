@@ -2,7 +2,7 @@
 how they are written and read, and how this process's random generators are captured and set.
 
 One home for the format, so that a report's checkpoint (`worker.train_state`), a just-in-time
-checkpoint (`worker.jit`) and reading a checkpoint whole (`Checkpoint.to_state_dict`) agree:
+checkpoint (`worker.recovery.just_in_time`) and reading a checkpoint whole (`Checkpoint.to_state_dict`) agree:
 
 - `train_state.pt` (rank 0): `{"format", "world_size", "torch_version", "state_dicts",
   "values"}` and, for a sharded model, `"sharded": {"directory", "names"}` (format 2).

@@ -64,7 +64,7 @@ class Attempt:
     config_change: dict[str, dict[str, Any]] | None = None
     # With TrainState(jit_checkpoint=True), what a failure of this attempt saved just in time:
     # {"iteration": 6, "rank": 0, "seconds": 0.05}, or {"iteration": None, "why_not": "..."}
-    # (see unbroken.worker.jit). Only in run.json when there is one.
+    # (see unbroken.worker.recovery.just_in_time). Only in run.json when there is one.
     jit_checkpoint: dict[str, Any] | None = None
     # In an elastic run (ScalingConfig(num_workers=(min, max))), why this attempt has the size
     # it has: {"reason": "node lost", "capacity": 2, "previous": 3}; reasons: "start", "rank lost",

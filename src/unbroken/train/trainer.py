@@ -17,7 +17,7 @@ from unbroken.core.validation_config import ValidationConfig
 from unbroken.errors import CorruptRunError, RunNotFoundError, SchemaVersionError
 from unbroken.execution.controller import Controller
 from unbroken.execution.engine.factory import capacity_probe, make_worker_group
-from unbroken.execution.failure_policy import FailurePolicy
+from unbroken.execution.recovery.failure_policy import FailurePolicy
 from unbroken.execution.validations import validation_runner
 from unbroken.observe.progress import ProgressReporter
 from unbroken.run import restore as rs

@@ -7,7 +7,7 @@ friends (`session`, with Ray V2's report options in `report_config`; its parts: 
 `committed_checkpoints`), asynchronous saves (`async_save`), backends and
 torch.distributed set-up (`backend`, `torch_backend`), `TrainState` (`train_state`,
 loading in `state_load`, a sharded model in `sharded_objects`) and the worker's half of
-just-in-time checkpoints (`jit`).
+recovery (`recovery/`: just in time, in place, staying in the loop, their messages).
 
 May import: `core`, `state` and `store`; not `run` (its sibling), nor anything above.
 """

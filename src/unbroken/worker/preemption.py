@@ -5,7 +5,7 @@
 - SIGUSR2 from the driver (`ABANDON_SIGNAL`) gives the rank's step up when the deadline is
   near and the rank has not reported since the notice: the training loop raises
   `StepAbandoned` where it is, and the rank ends as a failed one does, offering the state of
-  its last report for a just-in-time checkpoint (`unbroken.worker.jit`), clean unless its
+  its last report for a just-in-time checkpoint (`unbroken.worker.recovery.just_in_time`), clean unless its
   optimizer step had begun. Outside the training loop (a save, set-up) the signal is ignored.
 - `train.get_preemption_info()` reads what the driver's replies said (`Reply.preemption`),
   so every rank sees the same answer at the same report.

@@ -9,8 +9,8 @@ committed (see `async_save`) and `Validated` when a checkpoint's validation is r
 (see `validations`). With just-in-time
 checkpoints a rank says `JitArmed` once, a failing rank sends `JitOffer` before its `Failed`
 and waits for the driver's `JitSave`, and the chosen rank answers with `JitSaved` (see
-`jit_checkpoint`); when the run recovers in place, the driver answers `Stay` instead, and
-later sends the rank its next attempt as a `Rejoin` (see `peer_state`). A collective call
+`recovery.messages`); when the run recovers in place, the driver answers `Stay` instead, and
+later sends the rank its next attempt as a `Rejoin`. A collective call
 with no process group under it (`train.collective`) is a `Gather` from every rank,
 answered with one `Gathered` to each. A trial's process ends with `TrialDone`,
 `TrialInterrupted` or `TrialFailed`. How a message travels (a pipe, a socket) is the
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from unbroken.store.commit import FileEntry
+from unbroken.worker.recovery.messages import JitArmed, JitOffer, JitSave, JitSaved, Rejoin, Stay
 
 
 @dataclass(slots=True)
@@ -123,59 +124,6 @@ class Validated:
 
 
 @dataclass(slots=True)
-class JitArmed:
-    """This rank's TrainState can save a just-in-time checkpoint (see `jit_checkpoint`);
-    `step_seed`: the seed of its per-step random streams."""
-
-    step_seed: int = 0
-
-
-@dataclass(slots=True)
-class JitOffer:
-    """This rank's loop failed; it can save checkpoint `iteration` just in time (None: it
-    cannot, for `reason`). Sent before its `Failed`; the rank then waits for a `JitSave`."""
-
-    iteration: int | None
-    reason: str = ""
-
-
-@dataclass(slots=True)
-class JitSave:
-    """The driver's word to a rank that offered: save checkpoint `iteration` (None: do not);
-    `seeds`: every rank's step seed (from their `JitArmed`), for their random states."""
-
-    iteration: int | None
-    seeds: dict[int, int] | None = None
-
-
-@dataclass(slots=True)
-class Stay:
-    """The driver's word to a rank that offered, when the run recovers in place (see
-    `peer_state`): do not save and do not exit; the next attempt starts in this process (its
-    payload comes as a `Rejoin`), from the state of report `iteration`, which rank `source`
-    holds and sends to every rank."""
-
-    source: int
-    iteration: int
-
-
-@dataclass(slots=True)
-class Rejoin:
-    """The next attempt's payload (a cloudpickled `WorkerPayload`) for a rank that stayed."""
-
-    payload: bytes
-
-
-@dataclass(slots=True)
-class JitSaved:
-    """The just-in-time checkpoint `iteration` is staged (`files`), or could not be (`error`)."""
-
-    iteration: int
-    files: list[FileEntry] | None
-    error: str = ""
-
-
-@dataclass(slots=True)
 class Gather:
     """This rank's part of collective call number `seq` of the attempt (every rank counts its
     calls the same way): `op` names the call; `data` is what it contributes, pickled (None:
@@ -207,7 +155,6 @@ class Terminating:
     at: float
 
 
-JIT_MESSAGES = (JitArmed, JitOffer, JitSaved)
 WorkerMessage = Union[Report, Rendezvous, Staged, JitArmed, JitOffer, JitSaved, Gather, Terminating, Done,
                       Failed]
 Outcome = Union[Done, Failed]

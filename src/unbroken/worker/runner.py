@@ -22,11 +22,13 @@ import cloudpickle
 
 from unbroken.core import shipping
 from unbroken.errors import StorageNotSharedError
-from unbroken.worker import jit as jit_checkpoint
-from unbroken.worker import peer_state, preemption
+from unbroken.worker import preemption
 from unbroken.worker import session as session_mod
 from unbroken.worker.channel import Channel
-from unbroken.worker.protocol import Done, Failed, Outcome, Rejoin, Rendezvous, Stay
+from unbroken.worker.protocol import Done, Failed, Outcome, Rendezvous
+from unbroken.worker.recovery import just_in_time as jit_checkpoint
+from unbroken.worker.recovery import peer_state
+from unbroken.worker.recovery.messages import Rejoin, Stay
 from unbroken.worker.replies import StopTraining
 from unbroken.worker.session import Session
 from unbroken.worker.worker_info import WorkerInfo

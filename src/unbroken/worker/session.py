@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from unbroken.worker.backend import Backend
     from unbroken.worker.channel import Channel
     from unbroken.worker.forward_clock import ForwardClock
-    from unbroken.worker.jit import Tracker
+    from unbroken.worker.recovery.just_in_time import Tracker
 
 
 log = logging.getLogger("unbroken")

@@ -107,7 +107,7 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool = True,
         session = session_mod.current("prepare_model()")
         if session.info.peer_source is not None:
             # Recovering in place: a peer sends the state, and ranks whose loop stayed wrap their
-            # model again without collectives (`worker.in_loop`), so this one makes none either.
+            # model again without collectives (`worker.recovery.in_loop`), so this one makes none either.
             kwargs["init_sync"] = False
         model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
         model.unbroken_ddp_kwargs = kwargs

@@ -48,9 +48,10 @@ from unbroken.state.state_file import (
 )
 from unbroken.state.stream_loader import StreamLoader, kind_of, refusal
 from unbroken.store.checkpoint import Checkpoint
-from unbroken.worker import in_loop, sharded_objects, state_load
-from unbroken.worker import jit as jit_mod
 from unbroken.worker import session as session_mod
+from unbroken.worker import sharded_objects, state_load
+from unbroken.worker.recovery import in_loop
+from unbroken.worker.recovery import just_in_time as jit_mod
 from unbroken.worker.torch_backend import worker_ranks
 
 COMPONENTS = ("model", "optimizer", "scheduler", "loader")
@@ -87,7 +88,7 @@ class TrainState:
     generators are re-seeded from (step_seed, rank, report), so what a step draws does not
     depend on any rank's earlier state. `jit_checkpoint`: track the state so that, when a rank
     fails, a surviving rank saves the state of the last report as a checkpoint
-    (`unbroken.worker.jit`); by default (None) as the run's `FailureConfig.recovery` says
+    (`unbroken.worker.recovery.just_in_time`); by default (None) as the run's `FailureConfig.recovery` says
     ("just_in_time" or "in_place"). It needs per-step streams, seeded from `step_seed` when
     given, else from each rank's own seed (`jit.step_seed_of`: its torch seed as the loop
     left it, recorded by the run for its later attempts).

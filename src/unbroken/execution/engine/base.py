@@ -127,13 +127,13 @@ class WorkerGroup(Protocol):
     def kill(self, rank: int) -> None:
         """Only where `can_rejoin`: kill rank `rank` at once (SIGKILL, which also ends a
         stopped process); the others run on, and its death is reported by `poll` as any
-        death is. Used by in-place recovery (`execution.in_place`): a hang's frozen ranks, and
+        death is. Used by in-place recovery (`execution.recovery.in_place`): a hang's frozen ranks, and
         failed ranks whose live process keeps their peers blocked in a collective."""
         ...
 
     def rejoin(self, payload: Callable[[Placement], Any], replaced: set[int]) -> list[Placement]:
         """Only where `can_rejoin`, on a group whose attempt failed and whose ranks outside
-        `replaced` were told to stay (a recovery in place, see `worker.peer_state`): start the
+        `replaced` were told to stay (a recovery in place, see `worker.recovery.peer_state`): start the
         next attempt on it. Each rank that stayed gets `payload(placement)` as a `Rejoin`
         message over its channel; each rank in `replaced` is killed if it still runs, and
         started again in a new process. Returns the placements, by rank (those of `start`).
@@ -143,7 +143,7 @@ class WorkerGroup(Protocol):
     def drop(self, ranks: set[int]) -> None:
         """Only on an engine whose ranks can be lost with their node (Ray; the local engine's
         cannot), before `rejoin`: the next attempt goes on without `ranks` (an elastic run's
-        ranks lost with their node, see `execution.in_place`). Each is killed if
+        ranks lost with their node, see `execution.recovery.in_place`). Each is killed if
         it still runs and forgotten; the others are numbered again in order (`renumbered`), and
         `num_workers` counts them. What the group reserved for the dropped ranks stays its own
         (`idle_slots`) until `shutdown`."""

@@ -30,7 +30,8 @@ from unbroken.errors import WorkerDied
 from unbroken.execution.engine.base import Event, Placement, Wakeup
 from unbroken.worker import preemption, stacks
 from unbroken.worker.channel import PipeChannel
-from unbroken.worker.protocol import Done, Rejoin, from_wire, to_wire
+from unbroken.worker.protocol import Done, from_wire, to_wire
+from unbroken.worker.recovery.messages import Rejoin
 from unbroken.worker.runner import WorkerPayload, serve
 
 # Python threads that survive a fork harmlessly: fsspec's event-loop thread for async

@@ -44,7 +44,8 @@ from unbroken.execution.engine.ray_link import HANDSHAKE_S, Listener
 from unbroken.execution.engine.ray_placement import missing_resources, rank_bundle, rank_order
 from unbroken.execution.engine.ray_spares import WARM_WAIT_S, Spares, match
 from unbroken.worker import stacks
-from unbroken.worker.protocol import Rejoin, from_wire, to_wire
+from unbroken.worker.protocol import from_wire, to_wire
+from unbroken.worker.recovery.messages import Rejoin
 
 # How long the placement group may take to be placed (all ranks or none), and the actors to
 # start and connect. Env vars, as Ray Train's own timeouts are.

@@ -1,5 +1,5 @@
 """Just-in-time checkpoints, the driver's half (steps 4 and 5 of the protocol in
-`unbroken.worker.jit`, whose docstring has it whole): once a failure is final, choose the
+`unbroken.worker.recovery.just_in_time`, whose docstring has it whole): once a failure is final, choose the
 saver among the ranks' offers, wait within bounds for its save, and hand the controller what
 it staged to commit. Recovery calls it through `in_place.settle` (`Recovery.save_just_in_time`).
 """
@@ -14,7 +14,7 @@ from typing import Any
 from unbroken.errors import StorageError, WorkerDied
 from unbroken.run.handle import Run
 from unbroken.store.commit import checkpoint_name
-from unbroken.worker.protocol import JitArmed, JitOffer, JitSave, JitSaved
+from unbroken.worker.recovery.messages import JitArmed, JitOffer, JitSave, JitSaved
 
 log = logging.getLogger("unbroken")
 

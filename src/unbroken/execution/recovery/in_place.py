@@ -1,5 +1,5 @@
 """In-place recovery, the driver's half (the protocol and the worker's half are in
-`unbroken.worker.peer_state`): once a failure is final, decide whether the next attempt can
+`unbroken.worker.recovery.peer_state`): once a failure is final, decide whether the next attempt can
 start on the ranks that are still alive, from the state of the last complete round that one
 of them holds, and tell them to stay.
 
@@ -10,7 +10,7 @@ just-in-time checkpoints. An elastic run does not wait for a lost node's ranks t
 again: it shrinks in place (`InPlacePlan.without`), going on with the ranks whose nodes are
 alive, numbered again in order, when they are at least `min_workers` (else they are started
 again in their bundles, as in a run of fixed size). The offers are
-those of the just-in-time protocol (`worker.jit`): the lowest rank that offers the
+those of the just-in-time protocol (`worker.recovery.just_in_time`): the lowest rank that offers the
 attempt's last complete round is the source; every rank that offered and is alive stays;
 the others (dead, told they cannot help, or silent for `OFFER_WAIT_S`, e.g. blocked for
 good) are started again; after a rank lost with its node, the wait lasts until the
@@ -34,9 +34,9 @@ from typing import Any
 from unbroken.core.config import FailureConfig
 from unbroken.errors import WorkerDied, WorkerHangError
 from unbroken.execution import hang_stacks
-from unbroken.execution.jit_coordinator import OFFER_WAIT_S, Coordinator, commit_just_in_time
+from unbroken.execution.recovery.just_in_time import OFFER_WAIT_S, Coordinator, commit_just_in_time
 from unbroken.run.handle import Run
-from unbroken.worker.protocol import Stay
+from unbroken.worker.recovery.messages import Stay
 
 
 @dataclass(frozen=True)

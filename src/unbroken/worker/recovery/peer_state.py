@@ -2,7 +2,7 @@
 processes, and the state of the last complete report goes from one of them to every rank of
 the next attempt over its new process group, instead of through storage.
 
-It stands on the just-in-time checkpoint (`worker.jit`): a rank whose TrainState has
+It stands on the just-in-time checkpoint (`worker.recovery.just_in_time`): a rank whose TrainState has
 `jit_checkpoint=True` knows, when its loop fails, whether it still holds the state of its
 last report k (no optimizer step has begun since), and the per-step random streams give
 every rank's random state after report k without that rank. The protocol, in order:
@@ -12,9 +12,9 @@ every rank's random state after report k without that rank. The protocol, in ord
    makes a new one in this process. gloo does not promise that this closes the
    connections: a peer already blocked on this rank in a collective stays blocked until
    this process exits (measured with torch 2.13), so the driver replaces a rank that has
-   not offered within its bound (`execution.in_place`).
+   not offered within its bound (`execution.recovery.in_place`).
 2. Offer (as for a just-in-time checkpoint): `JitOffer(k)`, then `Failed`.
-3. Stay (the driver, see `execution.in_place`): instead of `JitSave`, each rank that offered
+3. Stay (the driver, see `execution.recovery.in_place`): instead of `JitSave`, each rank that offered
    gets `Stay(source, k)`: rank `source` (the lowest clean one) keeps the state of report k
    in memory (`keep`); every staying rank waits for its next attempt (`Rejoin`). The failed
    ranks, and any that did not offer, are started again in new processes.
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 def release_group(session: Session, backend: Backend, keep_wrappers: bool = False) -> None:
     """Step 1: end this rank's process group and drop the references to it: the armed
     TrainState's DDP wrapper, or, for a loop that goes on (`keep_wrappers`, see
-    `worker.in_loop`), what the wrapper holds of the group."""
+    `worker.recovery.in_loop`), what the wrapper holds of the group."""
     if keep_wrappers:
         for wrapper in session.wrappers:
             for name in ("reducer", "logger", "process_group"):

@@ -1,10 +1,10 @@
 """Recovery, the driver's half: from a failed attempt to the next one (the worker's half is
-in `unbroken.worker.jit` and `unbroken.worker.peer_state`, the messages in `protocol`).
+`unbroken.worker.recovery`, the messages `unbroken.worker.recovery.messages`).
 
 Once an attempt's failure is final (no incomplete round and no pending commit can complete
 any more: see `AttemptLoop.drive`):
 1. just in time, where every rank's TrainState is armed: the survivors stay for a recovery in
-   place (`in_place`), or else one of them saves the last complete round (`jit_coordinator`);
+   place (`in_place`), or else one of them saves the last complete round (`just_in_time`);
 2. `decide` asks the failure policy (`failure_policy`), handed in, whether to go on, and says
    how: in place, in place without the ranks lost with their node (an elastic run shrinks),
    a restart of the whole group from the latest committed checkpoint, or give up;
@@ -25,12 +25,13 @@ from typing import Any
 
 from unbroken.core.config import FailureConfig
 from unbroken.errors import StorageError, WorkerDied, WorkerHangError
-from unbroken.execution import hang_stacks, in_place
+from unbroken.execution import hang_stacks
 from unbroken.execution.elastic import ElasticScaler
 from unbroken.execution.engine.base import Placement, WorkerGroup
-from unbroken.execution.failure_policy import FailureDecision, FailurePolicy
-from unbroken.execution.in_place import InPlacePlan
-from unbroken.execution.jit_coordinator import Coordinator
+from unbroken.execution.recovery import in_place
+from unbroken.execution.recovery.failure_policy import FailureDecision, FailurePolicy
+from unbroken.execution.recovery.in_place import InPlacePlan
+from unbroken.execution.recovery.just_in_time import Coordinator
 from unbroken.run.handle import Run
 
 log = logging.getLogger("unbroken")

@@ -28,8 +28,8 @@ nothing has changed it since report k:
    offers while a lower armed rank still runs is told not to save: its exit releases the
    lower rank from any collective it is blocked in, which then offers in turn (rank 0's
    plain values are the ones a periodic checkpoint holds). The driver waits for offers at
-   most `jit_coordinator.OFFER_WAIT_S` (a rank blocked for good, e.g. with a peer on a lost node, is not
-   waited for) and for the save at most `SAVE_WAIT_S` or until the saver dies.
+   most `execution.recovery.just_in_time.OFFER_WAIT_S` (a rank blocked for good, e.g. with a
+   peer on a lost node, is not waited for) and for the save at most `SAVE_WAIT_S` or until the saver dies.
 5. Save (the chosen rank): the random state of every rank from the seeded streams, then
    `train_state.pt` from the live and copied state, into the staging area of checkpoint k
    with the same helpers a report uses (`commit.staging_name`, `commit.write_rank_files`);
@@ -45,7 +45,7 @@ last report, when the model is sharded (FSDP2, tensor parallelism: no rank holds
 state), or when no rank could offer in time.
 
 This module is the worker's half (steps 1, 2, 3 and 5); the driver's half (4 and 6's
-waiting) is `unbroken.execution.jit_coordinator`, so that the driver does not import torch
+waiting) is `unbroken.execution.recovery.just_in_time`, so that the driver does not import torch
 for it.
 """
 
@@ -64,7 +64,7 @@ from unbroken.state.sample_seed import sample_seed, seed_generators
 from unbroken.state.state_file import build_payload, capture_rng, restore_rng, unwrap, write_files
 from unbroken.store.commit import FileEntry, staging_name, write_rank_files
 from unbroken.worker import session as session_mod
-from unbroken.worker.protocol import JitArmed, JitOffer, JitSave, JitSaved, Stay
+from unbroken.worker.recovery.messages import JitArmed, JitOffer, JitSave, JitSaved, Stay
 
 if TYPE_CHECKING:
     from unbroken.worker.session import Session
