@@ -60,3 +60,19 @@ def test_every_moved_module_exists_where_the_table_says():
     for stored in stable_names._MOVED:
         assert importlib.import_module(stable_names.current_module(stored))
         assert stable_names.stable_module(stable_names.current_module(stored)) == stored
+
+
+def test_a_run_stored_before_recovery_levels_goes_on_recovering_from_its_checkpoint():
+    """run.json of a run written before FailureConfig.recovery existed has no such field: it
+    recovered from its latest checkpoint with plain random streams, and restored it goes on so
+    (today's default arms per-step streams, which would change the rest of its run)."""
+    from unbroken.train import FailureConfig
+
+    stored = encode(RunConfig(name="r", failure_config=FailureConfig(max_failures=2)))
+    assert decode(stored).failure_config.recovery == "in_place"
+    del stored["fields"]["failure_config"]["fields"]["recovery"]
+    old = decode(stored).failure_config
+    assert old.recovery == "checkpoint" and old.max_failures == 2
+    stored["fields"]["failure_config"]["fields"]["recover_in_place"] = True
+    with pytest.warns(DeprecationWarning):
+        assert decode(stored).failure_config.recovery == "in_place"

@@ -113,7 +113,9 @@ def decode(value: Any) -> Any:
                 # run.json names what to call; only a dataclass's constructor is ever called.
                 raise TypeError(f"{value['__dataclass__']} is not a dataclass")
             fields = {k: decode(v) for k, v in value["fields"].items()}
-            return cls(**fields)
+            # A field added after the value was stored takes the default that applied then,
+            # where that differs from today's (a run keeps the behaviour it started with).
+            return cls(**{**getattr(cls, "STORED_BEFORE", {}), **fields})
         return {k: decode(v) for k, v in value.items()}
     return value
 

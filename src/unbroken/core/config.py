@@ -10,7 +10,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from unbroken.errors import UnsupportedOptionError
 
@@ -187,6 +187,9 @@ class FailureConfig:
     max_preemption_failures: int = -1
     sigterm_grace_s: float = 30.0
     preemption_notices: str | None = None
+    # A run stored before `recovery` existed recovered from its latest checkpoint, with plain
+    # random streams: restored, it goes on so (see `core.codec.decode`).
+    STORED_BEFORE: ClassVar[dict[str, Any]] = {"recovery": "checkpoint"}
 
     def __post_init__(self) -> None:
         for name in ("max_failures", "controller_failure_limit", "max_preemption_failures"):

@@ -39,4 +39,4 @@ class WorkerInfo:
     peer_source: int | None = None    # recovering in place: the rank that sends every rank the state
     collective_timeout_s: float | None = None  # FailureConfig.collective_timeout_s
     step_seed: int | None = None      # this rank's step seed as the run recorded it (`jit.step_seed_of`)
-    recovery: str = "checkpoint"      # FailureConfig.recovery: "just_in_time" and up arm TrainState
+    recovery: str = "in_place"        # FailureConfig.recovery: "just_in_time" and up arm TrainState
