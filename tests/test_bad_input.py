@@ -308,11 +308,28 @@ def test_ray_tune_scheduler_module_paths_import():
     ("from unbroken.tune import CLIReporter", "tune.Callback"),
     ("from unbroken.tune.search import HyperOptSearch", "OptunaSearch"),
     ("from unbroken.tune.logger import TBXLoggerCallback", "LoggerCallback"),
+    # Ray's module paths that hold nothing unbroken provides refuse when imported.
+    ("from unbroken.tune.schedulers.hb_bohb import HyperBandForBOHB", "HyperBandScheduler"),
+    ("import unbroken.tune.schedulers.hb_bohb", "HyperBandScheduler"),
+    ("from unbroken.tune.integration.lightgbm import TuneReportCheckpointCallback", "tune.report("),
+    ("from unbroken.tune.integration.xgboost import TuneReportCheckpointCallback", "TrainingCallback"),
+    ("from unbroken.tune.integration.keras import TuneReportCheckpointCallback", "on_epoch_end"),
+    ("from unbroken.tune.integration.pytorch_lightning import TuneReportCallback",
+     "unbroken.train.lightning.RayTrainReportCallback"),
+    ("from unbroken.tune.integration import pytorch_lightning", "RayTrainReportCallback"),
+    ("from unbroken.tune.syncer import SyncConfig", "RunConfig(storage_path='s3://"),
+    ("from unbroken.tune.execution.placement_groups import PlacementGroupFactory", "tune.with_resources("),
+    ("from unbroken.air.integrations.mlflow import MLflowLoggerCallback, setup_mlflow",
+     "from unbroken.train import MLflowLoggerCallback"),
+    ("from unbroken.air.integrations.wandb import WandbLoggerCallback, setup_wandb",
+     "from unbroken.train import WandbLoggerCallback"),
+    ("from unbroken.air.integrations import wandb", "WandbLoggerCallback"),
 ])
 def test_ray_tune_names_without_a_counterpart_say_what_instead(statement, hint):
     from unbroken.errors import UnsupportedAPIError
 
     with pytest.raises(UnsupportedAPIError, match="Hint") as refused:
         exec(statement)
-    assert hint in str(refused.value) and "Ray Tune" in str(refused.value)
+    library = "Ray AIR" if "unbroken.air" in statement else "Ray Tune"
+    assert hint in str(refused.value) and library in str(refused.value)
     from unbroken.tune import stopper  # noqa: F401 - a submodule is still found past __getattr__

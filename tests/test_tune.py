@@ -128,7 +128,7 @@ def test_bad_search_space_values_are_refused_with_a_hint():
         (lambda: tune.randint(3, 3), "lower must be below upper"),
         (lambda: tune.choice([]), "at least one value"),
         (lambda: tune.grid_search("abc"), "list of values"),
-        (lambda: Tuner(tune_loop, param_space={"lr": [tune.uniform(0, 1)]}), "inside a list"),
+        (lambda: Tuner(tune_loop, param_space={"lr": {1: [tune.uniform(0, 1)]}}), "non-string key"),
         (lambda: Tuner(tune_loop, param_space={"lr": optuna.distributions.FloatDistribution(0, 1)}),
          "cannot sample"),
     ]

@@ -107,7 +107,8 @@ class UnsupportedOptionError(UnbrokenError, ValueError):
 class UnsupportedAPIError(UnbrokenError, ImportError):
     """A Ray Train or Ray Tune name that unbroken does not provide, imported from unbroken's
     module of the same role (unbroken.train, .train.torch, .train.lightning, .train.huggingface,
-    unbroken.tune.schedulers); the message says what to use instead."""
+    unbroken.tune.schedulers), or a Ray module path with nothing unbroken provides
+    (unbroken.tune.integration.xgboost, ...); the message says what to use instead."""
 
 
 class WorkerGroupError(TrainingFailedError):
@@ -148,7 +149,7 @@ class UnknownMetricError(UnbrokenError, ValueError):
 
 class SearchSpaceError(UnbrokenError, ValueError):
     """A Tuner's param_space holds a value unbroken cannot sample (an unknown search-space
-    object, a domain inside a list, bounds that are out of order)."""
+    object, a domain under a non-string key, bounds that are out of order)."""
 
 
 class NotASweepError(UnbrokenError, ValueError):

@@ -2,8 +2,10 @@
 `grid_search`, and how a `param_space` becomes one trial's config.
 
 A param_space is a dict, possibly nested, whose leaves are constants, domains or grid
-searches. A trial is described by the *stored values* of its leaves (a number for numeric
-domains, an index for `choice` and `grid_search`), keyed by the leaf's path ("a/b"). The
+searches; as in Ray, domains may also sit inside lists (and tuples), at any depth. A trial is
+described by the *stored values* of its leaves (a number for numeric domains, an index for
+`choice` and `grid_search`), keyed by the leaf's path: dict keys and list positions joined
+by "/", a position written "[i]" ("a/b", "layers/[0]", "blocks/[1]/width"). The
 sweep manifest records these, and `resolve(space, values)` rebuilds the config from the
 param_space given now, so constants (datasets, objects) can be re-specified on restore.
 
@@ -46,57 +48,77 @@ def _as_grid(value: Any) -> GridSearch | None:
     return None
 
 
+def _is_leaf(value: Any) -> bool:
+    return isinstance(value, (Domain, GridSearch)) or _as_grid(value) is not None
+
+
+def _has_leaf(value: Any) -> bool:
+    """Whether a list, tuple or dict holds a domain or grid search, at any depth: only such a
+    list is walked position by position; any other list stays a constant, described and
+    passed on as it always was."""
+    if _is_leaf(value):
+        return True
+    if isinstance(value, dict):
+        return any(isinstance(k, str) and _has_leaf(v) for k, v in value.items())
+    return isinstance(value, (list, tuple)) and any(_has_leaf(v) for v in value)
+
+
+def _position(i: int) -> str:
+    """A list position as a path component: "[i]", apart from any string key of a dict."""
+    return f"[{i}]"
+
+
 def _check_constant(value: Any, where: str) -> None:
-    """Refuse search-space objects in places they would be passed on unsampled."""
+    """Refuse search-space objects in places they would be passed on unsampled: another
+    library's anywhere, ours inside what a path cannot name (under a non-string key)."""
     module = type(value).__module__ or ""
     if module.startswith(_FOREIGN):
         raise bad_space(f"param_space[{where!r}] is a {module}.{type(value).__qualname__}, which unbroken "
                    "cannot sample. Hint: use unbroken.tune's uniform, loguniform, randint, choice or "
                    "grid_search")
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            if isinstance(item, (Domain, GridSearch)):
-                raise bad_space(f"param_space[{where!r}] has a search-space value inside a list (item {i}); "
-                           "only dict values are sampled. Hint: use a dict, or choice([...]) of "
-                           "whole lists")
-            _check_constant(item, f"{where}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            if isinstance(v, (Domain, GridSearch)) or _as_grid(v) is not None:
-                raise bad_space(f"param_space[{where!r}] has a search-space value under the non-string key "
-                           f"{k!r}. Hint: use string keys")
-            _check_constant(v, f"{where}.{k}")
+    items = (list(enumerate(value)) if isinstance(value, (list, tuple)) else
+             list(value.items()) if isinstance(value, dict) else [])
+    for k, v in items:
+        if _is_leaf(v):
+            raise bad_space(f"param_space[{where!r}] has a search-space value under a non-string key "
+                            f"({k!r} inside it). Hint: use string keys")
+        _check_constant(v, f"{where}[{k!r}]")
 
 
 def leaves(space: dict[str, Any]) -> list[tuple[str, Leaf]]:
     """The domains and grid searches of `space`, by path, sorted by path: the order in which
-    values are drawn does not depend on the order the dict was written in."""
+    values are drawn does not depend on the order the dict was written in. List positions sort
+    by number ("[2]" before "[10]"), and paths without one sort as they always did, so a sweep
+    saved before lists could hold domains proposes the same trials."""
     if not isinstance(space, dict):
         raise bad_space(f"param_space must be a dict, got {type(space).__name__}")
-    out: list[tuple[str, Leaf]] = []
+    out: list[tuple[str, str, Leaf]] = []  # (sort key, path, leaf)
 
-    def walk(node: dict, prefix: tuple[str, ...]) -> None:
-        for key, value in node.items():
-            if not isinstance(key, str):
-                _check_constant(value, SEP.join(prefix + (repr(key),)))
-                continue
-            path = prefix + (key,)
-            grid = _as_grid(value)
-            if grid is not None:
-                out.append((SEP.join(path), grid))
-            elif isinstance(value, Domain):
-                out.append((SEP.join(path), value))
-            elif isinstance(value, dict):
-                walk(value, path)
+    def visit_dict(node: dict, path: tuple[str, ...], order: tuple[str, ...]) -> None:
+        for key, item in node.items():
+            if isinstance(key, str):
+                visit(item, path + (key,), order + (key,))
             else:
-                _check_constant(value, SEP.join(path))
+                _check_constant(item, SEP.join(path + (repr(key),)))
 
-    walk(space, ())
-    names = [p for p, _ in out]
+    def visit(value: Any, path: tuple[str, ...], order: tuple[str, ...]) -> None:
+        grid = _as_grid(value)
+        if grid is not None or isinstance(value, Domain):
+            out.append((SEP.join(order), SEP.join(path), grid if grid is not None else value))
+        elif isinstance(value, dict):
+            visit_dict(value, path, order)
+        elif isinstance(value, (list, tuple)) and _has_leaf(value):
+            for i, item in enumerate(value):
+                visit(item, path + (_position(i),), order + (f"[{i:012d}]",))
+        else:
+            _check_constant(value, SEP.join(path))
+
+    visit_dict(space, (), ())  # the space itself is a dict, even one keyed "grid_search"
+    names = [p for _, p, _ in out]
     if len(set(names)) != len(names):
         raise bad_space(f"param_space has two search-space values at the same path ({names}); keys must not "
                    f"contain {SEP!r}")
-    return sorted(out, key=lambda item: item[0])
+    return [(path, leaf) for _, path, leaf in sorted(out, key=lambda item: item[0])]
 
 
 def grid_size(space: dict[str, Any]) -> int:
@@ -128,30 +150,28 @@ def resolve(space: dict[str, Any], values: dict[str, Any], drawing: bool = False
     is no leaf of `space` is a value a searcher chose itself (Optuna's define-by-run): it is
     set at that path."""
 
-    def walk(node: dict, prefix: tuple[str, ...]) -> dict:
-        out = {}
-        for key, value in node.items():
-            if not isinstance(key, str):
-                out[key] = value
-                continue
-            path = SEP.join(prefix + (key,))
-            grid = _as_grid(value)
-            if grid is not None or isinstance(value, Domain):
-                leaf = grid if grid is not None else value
-                if path not in values and drawing and isinstance(leaf, SampleFrom):
-                    out[key] = leaf
-                    continue
-                if path not in values:
-                    raise bad_space(f"no recorded value for {path!r}; the param_space does not match "
-                                    "the sweep's")
-                out[key] = leaf.value(values[path])
-            elif isinstance(value, dict):
-                out[key] = walk(value, prefix + (key,))
-            else:
-                out[key] = value
-        return out
+    def fill_dict(node: dict, prefix: tuple[str, ...]) -> dict:
+        return {key: fill(value, prefix + (key,)) if isinstance(key, str) else value
+                for key, value in node.items()}
 
-    config = walk(space, ())
+    def fill(value: Any, path: tuple[str, ...]) -> Any:
+        grid = _as_grid(value)
+        if grid is not None or isinstance(value, Domain):
+            leaf, where = grid if grid is not None else value, SEP.join(path)
+            if where not in values and drawing and isinstance(leaf, SampleFrom):
+                return leaf
+            if where not in values:
+                raise bad_space(f"no recorded value for {where!r}; the param_space does not match "
+                                "the sweep's")
+            return leaf.value(values[where])
+        if isinstance(value, dict):
+            return fill_dict(value, path)
+        if isinstance(value, (list, tuple)) and _has_leaf(value):  # else the very same constant
+            items = [fill(item, path + (_position(i),)) for i, item in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    config = fill_dict(space, ())
     own = {p for p, _ in leaves(space)} if values else set()
     for path, value in values.items():
         if path not in own:
@@ -173,26 +193,32 @@ def spec(space: Any) -> Any:
         return space.spec()
     if isinstance(space, dict):
         return {str(k): spec(v) for k, v in space.items()}
-    return describe(space)
+    if isinstance(space, (list, tuple)) and _has_leaf(space):
+        return [spec(v) for v in space]  # a list holding domains: position by position
+    return describe(space)  # any other list exactly as before lists could hold domains
 
 
 def shape(space: dict[str, Any]) -> dict[str, Any]:
     """Every key path of a param_space with its domain spec, or "value" for a constant:
-    what Tuner.restore(param_space=...) must keep (it may change the constants)."""
+    what Tuner.restore(param_space=...) must keep (it may change the constants). A list
+    holding domains is walked position by position, so its length and its domains must stay."""
     out: dict[str, Any] = {}
 
-    def walk(node: dict, prefix: tuple[str, ...]) -> None:
-        for key, value in node.items():
-            path = prefix + (str(key),)
-            grid = _as_grid(value)
-            if grid is not None or isinstance(value, Domain):
-                out[SEP.join(path)] = (grid or value).spec()
-            elif isinstance(value, dict) and value:
-                walk(value, path)
-            else:
-                out[SEP.join(path)] = "value"
+    def visit(value: Any, path: tuple[str, ...]) -> None:
+        grid = _as_grid(value)
+        if grid is not None or isinstance(value, Domain):
+            out[SEP.join(path)] = (grid or value).spec()
+        elif isinstance(value, dict) and value:
+            for key, item in value.items():
+                visit(item, path + (str(key),))
+        elif isinstance(value, (list, tuple)) and _has_leaf(value):
+            for i, item in enumerate(value):
+                visit(item, path + (_position(i),))
+        else:
+            out[SEP.join(path)] = "value"
 
-    walk(space, ())
+    for key, value in space.items():
+        visit(value, (str(key),))
     return out
 
 
