@@ -20,7 +20,7 @@ the device-to-host copy rate (pinned, as the async save's snapshot copies; pagea
   is until the driver's reply, which a loop takes at its next report: the driver has written
   the marker last and renamed the directory into place (retention off, so that deleting old
   checkpoints is not timed);
-- async save: `TrainState(async_save=True).report(..., checkpoint=True)`. "blocked" is until it
+- async save: `TrainState(checkpoint_upload_mode=ASYNC).report(..., checkpoint=True)`. "blocked" is until it
   returns (the snapshot: the shards copied in memory); then training steps run while the
   files are written in the background, and "slowdown" is what those steps took beyond the
   same steps without a save in flight (measured just before); "stall" is blocked + slowdown,
@@ -121,7 +121,7 @@ def bench_loop(config: dict) -> None:
     model(batch).pow(2).mean().backward()
     opt.step()
     state = TrainState(model=model, optimizer=opt)
-    background = TrainState(model=model, optimizer=opt, async_save=True)
+    background = TrainState(model=model, optimizer=opt, checkpoint_upload_mode="ASYNC")
     shards = local_shards(state)
     nbytes = tensor_bytes(shards)
     scratch = os.path.join(config["scratch"], f"rank{rank}")

@@ -250,7 +250,8 @@ def exact_loop(config: dict) -> None:
     checkpoint. Faults: kill_at=[[step, attempt, rank, mode], ...], mode raise|exit|sigkill;
     preempt_at=[step, attempt] has rank 0 send SIGTERM to the driver (`driver_pid`);
     `echo` prints "STEP n" on rank 0 after each step's report; `async_save` saves in the
-    background. `jit`: just-in-time checkpoints and per-step random streams (`step_seed`, 7 by
+    background (TrainState(checkpoint_upload_mode="ASYNC")), `report_upload_mode` names each
+    report's. `jit`: just-in-time checkpoints and per-step random streams (`step_seed`, 7 by
     default; None: the run's own seed), with
     die_after_report=[[step, attempt, rank, mode], ...] (mode raise|sigkill|sigstop|hang) striking
     right after that step's report, before the next step begins. `pid_dir`: each rank writes
@@ -279,7 +280,7 @@ def exact_loop(config: dict) -> None:
                                        persistent_workers=config.get("persistent_workers", False))
     loader = prepare_data_loader(data, seed_per_sample=config.get("seed_per_sample"))
     state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
-                       best=None, async_save=config.get("async_save", False),
+                       best=None, checkpoint_upload_mode="ASYNC" if config.get("async_save") else "SYNC",
                        **(jit_options(config.get("step_seed", 7)) if config.get("jit") else {}))
     state.restore()
     if config.get("pid_dir"):  # which process ran this rank in this attempt
@@ -311,7 +312,8 @@ def exact_loop(config: dict) -> None:
             torch.distributed.all_gather_object(every, mine)
         state.report({"loss": loss.item(), "losses": [e[0] for e in every], "epoch": epoch,
                       "step": state.step, "indices": [e[1] for e in every]},
-                     checkpoint=state.step % config.get("ckpt_every", 4) == 0)
+                     checkpoint=state.step % config.get("ckpt_every", 4) == 0,
+                     checkpoint_upload_mode=config.get("report_upload_mode"))
         for at, attempt, kill_rank, mode in config.get("die_after_report", []):
             if (at, attempt, kill_rank) == (state.step, ctx.get_attempt(), rank):
                 if mode == "hang" and config.get("hang_marker"):  # where it hangs, on Ray
@@ -440,12 +442,14 @@ def async_gate_loop(config: dict) -> dict:
 
     async_save.write_rank_files = gated
     model = torch.nn.Linear(2, 1)
-    state = TrainState(model=model, async_save=True)
+    per_report = config.get("train_state") == "report"  # the mode on each report, not the state
+    state = TrainState(model=model, checkpoint_upload_mode="SYNC" if per_report else "ASYNC")
     before, kept, weights = [], [], []
     for it in range(1, config["reports"] + 1):
         weights.append(model.weight.detach().clone().tolist())
         if config.get("train_state"):
-            state.report({"it": it}, checkpoint=True)
+            state.report({"it": it}, checkpoint=True,
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC if per_report else None)
             with torch.no_grad():
                 model.weight.add_(1.0)  # the next step, while the save has not been written yet
         else:

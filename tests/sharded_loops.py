@@ -52,7 +52,7 @@ def fsdp_loop(config: dict) -> None:
                                        batch_size=config.get("batch_size", 4), shuffle=True)
     loader = prepare_data_loader(data)
     state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, epoch=0, step=0,
-                       async_save=config.get("async_save", False))
+                       checkpoint_upload_mode="ASYNC" if config.get("async_save") else "SYNC")
     restored = state.restore()
     if config.get("dump_restored") and restored:
         dump_full_state(state, config["dump_restored"])

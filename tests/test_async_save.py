@@ -1,5 +1,5 @@
-"""Asynchronous checkpoint saves (`TrainState(async_save=True)`, `train.report(...,
-checkpoint_upload_mode=ASYNC)`): the report returns before the files are written, the
+"""Asynchronous checkpoint saves (`checkpoint_upload_mode=ASYNC`, on a TrainState, its report, or
+`train.report`): the report returns before the files are written, the
 checkpoint commits only once every rank's files are durable, and a run with background saves
 killed anywhere (a rank, in the middle of a background write, on S3 too) resumes to the
 uninterrupted run's state bit for bit.
@@ -46,15 +46,15 @@ def reference(results):  # noqa: F811
     return fit(results, "reference")
 
 
-@pytest.mark.parametrize("how", ["train.report", "TrainState"])
+@pytest.mark.parametrize("how", ["train.report", "TrainState", "TrainState.report"])
 def test_the_report_returns_before_its_files_are_written(storage, how):
     # The loop holds each background write until the report has returned and the loop has
     # looked at storage: nothing of that checkpoint is there, nothing committed. TrainState's
     # saves hold the state of their report, though the model changed before they were written.
-    config = {"reports": 4, "train_state": how == "TrainState"}
+    config = {"reports": 4, "train_state": {"TrainState": "state", "TrainState.report": "report"}.get(how)}
     result = TorchTrainer(async_gate_loop, train_loop_config=config,
                           scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(name="gate", storage_path=storage)).fit()
+                          run_config=RunConfig(name=f"gate-{how}", storage_path=storage)).fit()
     seen = result.return_value
     assert seen["before_write"] == [[] for _ in range(4)], seen
     # get_all_reported_checkpoints waits for the driver's commit of the latest save.
@@ -86,11 +86,14 @@ def test_a_reported_directory_removed_before_its_files_are_staged_fails_clearly(
     assert run_json(run)["latest_checkpoint"] is None
 
 
-@pytest.mark.parametrize("mode", ["raise", "sigkill"])
-def test_killed_ranks_resume_bit_for_bit(storage, reference, mode):
-    kills = random_kills(rng_for(f"async-{mode}"), 2, (mode,))
-    context = f"UNBROKEN_TEST_SEED={SEED}, kill_at={kills}"
-    result = fit(storage, f"async-{mode}", max_failures=2, kill_at=kills, async_save=True)
+@pytest.mark.parametrize("mode,spelling", [("raise", "state"), ("sigkill", "state"), ("sigkill", "report")])
+def test_killed_ranks_resume_bit_for_bit(storage, reference, mode, spelling):
+    # The upload mode on the TrainState, or on each report (state.report(...,
+    # checkpoint_upload_mode="ASYNC"), as train.report takes it).
+    kills = random_kills(rng_for(f"async-{mode}-{spelling}"), 2, (mode,))
+    context = f"UNBROKEN_TEST_SEED={SEED}, kill_at={kills}, upload mode on the {spelling}"
+    how = {"async_save": True} if spelling == "state" else {"report_upload_mode": "ASYNC"}
+    result = fit(storage, f"async-{mode}-{spelling}", max_failures=2, kill_at=kills, **how)
     assert [a["status"] for a in attempts(result)] == ["ERRORED", "ERRORED", "FINISHED"], context
     assert_same_run(result, reference, context)
 
@@ -258,3 +261,21 @@ def test_checkpoints_rank_in_report_order_whatever_order_they_commit_in(tmp_path
     assert manager.latest.iteration == 2
     assert [m.iteration for m in manager.best()] == [2, 1]
     assert manager.recover().iteration == 2, "a restore resumes from the same one"
+
+
+def test_async_save_is_the_older_spelling_of_the_async_upload_mode(tmp_path):
+    import torch
+
+    from unbroken.errors import UnsupportedOptionError
+    from unbroken.train import CheckpointUploadMode
+    from unbroken.train.torch import TrainState
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.warns(DeprecationWarning, match="checkpoint_upload_mode=CheckpointUploadMode.ASYNC"):
+        assert TrainState(model=model, async_save=True)._async_save
+    assert TrainState(model=model, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)._async_save
+    assert not TrainState(model=model)._async_save
+    with pytest.raises(UnsupportedOptionError, match="Hint: use CheckpointUploadMode.SYNC"):
+        TrainState(model=model, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    with pytest.raises(TypeError, match="takes a CheckpointUploadMode"):
+        TrainState(model=model, checkpoint_upload_mode=True)

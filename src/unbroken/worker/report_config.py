@@ -37,6 +37,26 @@ class CheckpointUploadMode(enum.Enum):
         return self is CheckpointUploadMode.ASYNC
 
 
+def upload_mode(mode: CheckpointUploadMode | str, where: str) -> CheckpointUploadMode:
+    """`mode` (a CheckpointUploadMode or its name) as `where` takes it: SYNC or ASYNC;
+    UnsupportedOptionError for NO_UPLOAD, TypeError for anything else, each with a hint."""
+    known = CheckpointUploadMode.__members__.get(mode) if isinstance(mode, str) else mode
+    if not isinstance(known, CheckpointUploadMode):
+        raise TypeError(f"{where}(checkpoint_upload_mode=...) takes a CheckpointUploadMode (SYNC or ASYNC), "
+                        f"got {mode!r}. Hint: CheckpointUploadMode.ASYNC saves in the background")
+    if known is CheckpointUploadMode.NO_UPLOAD:
+        raise UnsupportedOptionError(
+            f"{where}(checkpoint_upload_mode=NO_UPLOAD) is not supported: unbroken copies each rank's "
+            "checkpoint files into the run directory itself, so that the checkpoint commits "
+            "atomically. Hint: use CheckpointUploadMode.SYNC (or ASYNC)")
+    return known
+
+
+def upload_is_async(mode: CheckpointUploadMode | str, where: str) -> bool:
+    """Whether `mode` (checked by `upload_mode`) writes the checkpoint in the background."""
+    return upload_mode(mode, where) is CheckpointUploadMode.ASYNC
+
+
 class CheckpointConsistencyMode(enum.Enum):
     """What `get_all_reported_checkpoints` waits for (Ray Train V2): COMMITTED, until the
     checkpoint of this rank's latest report is committed (or known not to exist); VALIDATED,
@@ -73,15 +93,7 @@ def delete_after_upload(mode: Any, delete_local: bool | None, upload_fn: Any,
                         validate_fn: Any, validate_config: Any) -> bool:
     """Check `train.report`'s V2 options; returns whether to delete the local checkpoint
     directory once its files are staged. UnsupportedOptionError for what unbroken cannot do."""
-    if not isinstance(mode, CheckpointUploadMode):
-        raise TypeError(f"checkpoint_upload_mode must be a CheckpointUploadMode (SYNC or ASYNC), "
-                        f"got {mode!r}")
-    if mode is CheckpointUploadMode.NO_UPLOAD:
-        raise UnsupportedOptionError(
-            "train.report(checkpoint_upload_mode=NO_UPLOAD) is not supported: unbroken copies each "
-            "rank's checkpoint files into the run directory itself, so that the checkpoint commits "
-            "atomically. Hint: write the files to a local directory and report it with "
-            "CheckpointUploadMode.SYNC (or ASYNC)")
+    mode = upload_mode(mode, "train.report")
     if upload_fn is not None:
         raise UnsupportedOptionError(
             "train.report(checkpoint_upload_fn=...) is not supported: unbroken uploads each rank's "

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, Literal
 
@@ -52,6 +53,7 @@ from unbroken.worker import session as session_mod
 from unbroken.worker import sharded_objects, state_load
 from unbroken.worker.recovery import in_loop
 from unbroken.worker.recovery import just_in_time as jit_mod
+from unbroken.worker.report_config import CheckpointUploadMode, upload_is_async
 from unbroken.worker.torch_backend import worker_ranks
 
 COMPONENTS = ("model", "optimizer", "scheduler", "loader")
@@ -84,6 +86,11 @@ class TrainState:
     and its optimizer are the exception: every rank saves its shards through
     torch.distributed.checkpoint, and they restore onto any number of ranks.
 
+    `checkpoint_upload_mode`: how each checkpointing report saves (Ray's `CheckpointUploadMode`,
+    as `train.report` takes it; a report may name its own): SYNC writes the files before
+    `report` returns; ASYNC copies the state into memory and writes it in the background
+    (`unbroken.worker.async_save`). `async_save=True` is its older, deprecated spelling.
+
     `step_seed`: per-step random streams: after every report (and in `restore()`) each rank's
     generators are re-seeded from (step_seed, rank, report), so what a step draws does not
     depend on any rank's earlier state. `jit_checkpoint`: track the state so that, when a rank
@@ -95,12 +102,18 @@ class TrainState:
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-                 loader: Any = None, *, async_save: bool = False, jit_checkpoint: bool | None = None,
-                 step_seed: int | None = None, **extra: Any) -> None:
-        if not isinstance(async_save, bool):
-            raise TypeError(f"TrainState(async_save=...) takes a bool, got {type(async_save).__name__}. "
-                            "Hint: async_save=True writes each checkpoint in the background")
-        object.__setattr__(self, "_async_save", async_save)
+                 loader: Any = None, *, checkpoint_upload_mode: CheckpointUploadMode | str = "SYNC",
+                 jit_checkpoint: bool | None = None, step_seed: int | None = None,
+                 async_save: bool | None = None, **extra: Any) -> None:
+        if async_save is not None:
+            if not isinstance(async_save, bool):
+                raise TypeError(f"TrainState(async_save=...) takes a bool, got {type(async_save).__name__}. "
+                                "Hint: checkpoint_upload_mode=CheckpointUploadMode.ASYNC")
+            warnings.warn("TrainState(async_save=...) is the older spelling of "
+                          "TrainState(checkpoint_upload_mode=CheckpointUploadMode.ASYNC), as train.report "
+                          "takes it", DeprecationWarning, stacklevel=2)
+            checkpoint_upload_mode = "ASYNC" if async_save else "SYNC"
+        object.__setattr__(self, "_async_save", upload_is_async(checkpoint_upload_mode, "TrainState"))
         object.__setattr__(self, "_objects", {})
         object.__setattr__(self, "_values", {})
         object.__setattr__(self, "_generators", {})
@@ -108,7 +121,7 @@ class TrainState:
                           ("loader", loader)):
             if obj is not None:
                 self._objects[name] = self._check_stateful(name, obj)
-        reserved = set(dir(type(self))) | set(COMPONENTS) | {"async_save"}
+        reserved = set(dir(type(self))) | set(COMPONENTS) | {"async_save", "checkpoint_upload_mode"}
         for name, value in extra.items():
             if name in reserved or name.startswith("_"):
                 raise ValueError(f"TrainState(..., {name}=...): {name!r} is a reserved name. Hint: "
@@ -270,12 +283,15 @@ class TrainState:
         (docs/exact-resume.md, "Recovering in place")."""
         in_loop.for_each_batch(self, loader, step)
 
-    def report(self, metrics: dict[str, Any], checkpoint: bool | Literal["auto"] = False) -> bool:
+    def report(self, metrics: dict[str, Any], checkpoint: bool | Literal["auto"] = False,
+               checkpoint_upload_mode: CheckpointUploadMode | str | None = None) -> bool:
         """`train.report(metrics)`, with this state saved as the checkpoint when `checkpoint`
         is true or when the driver asks for one (a preemption: should_checkpoint()).
         `checkpoint="auto"`: when the driver asks, which it does at the interval that wastes
         least for what a save costs and how often the run fails (Young/Daly; see
-        docs/guarantees.md#how-often-to-checkpoint).
+        docs/guarantees.md#how-often-to-checkpoint). `checkpoint_upload_mode`: this report's,
+        as train.report takes it (default: the state's); ASYNC copies the state into memory
+        and writes it in the background.
 
         Collective, like train.report: every rank calls it with the same `checkpoint`.
         Returns whether a checkpoint was attached.
@@ -292,7 +308,8 @@ class TrainState:
             session.report(metrics)
             return False
         session.saving()
-        if self._async_save:
+        if (self._async_save if checkpoint_upload_mode is None
+                else upload_is_async(checkpoint_upload_mode, "TrainState.report")):
             session.wait_for_save()  # one save in flight: the previous copy is freed before this one
             session.report_async(metrics, self._snapshot_writer())
             return True
@@ -303,7 +320,7 @@ class TrainState:
 
     def _snapshot_writer(self) -> Callable[[], tuple[str, bool]]:
         """Copy this rank's part of a checkpoint into memory now; returns the function that
-        writes it into a new temporary directory later (in the background, see `async_save`)."""
+        writes it into a new temporary directory later (in the background: ASYNC)."""
         sharded = self.sharded_names()
         shards, shard_state, group, staging = None, None, None, None
         if sharded:
