@@ -7,10 +7,12 @@ The same 2-rank job each time (gloo on CPU, a 256-256-10 MLP, AdamW, batches of 
 loss read every step), one rank per process:
 
 - plain: torch.distributed DDP, nothing else;
-- unbroken: `TorchTrainer` with `prepare_model`, a `TrainState` and
-  `FailureConfig(recovery="in_place")` (the one setting: the state is tracked for
-  just-in-time saves, its step streams seeded from the run), `state.report(...)` every step
-  (no checkpoint), the loop in `TrainState.for_each_batch`;
+- unbroken: `TorchTrainer` with `prepare_model`, a `TrainState` and the default
+  `FailureConfig(recovery="in_place")` (the state is tracked for just-in-time saves, its
+  step streams seeded from the run), `state.report(...)` every step (no checkpoint), the
+  loop in `TrainState.for_each_batch`;
+- unbroken-checkpoint: the same with `recovery="checkpoint"` (nothing tracked: a failure
+  restarts from the latest checkpoint), so that the default's own cost shows;
 - torchft (when `import torchft` works): 2 replica groups of 1 process with an in-process
   Lighthouse, `Manager`, torchft's `DistributedDataParallel` and `Optimizer` wrapper
   (a quorum started at each `zero_grad`, a commit vote at each `step`), as its examples do.
@@ -106,14 +108,14 @@ def unbroken_loop(config: dict) -> None:
     state.for_each_batch(loader, step)
 
 
-def run_unbroken(steps: int, out: str, work: str) -> None:
+def run_unbroken(steps: int, out: str, work: str, recovery: str = "in_place") -> None:
     from unbroken.train import FailureConfig, RunConfig, ScalingConfig
     from unbroken.train.torch import TorchTrainer
 
     TorchTrainer(unbroken_loop, train_loop_config={"steps": steps, "out": out},
                  scaling_config=ScalingConfig(num_workers=2),
                  run_config=RunConfig(name="run", storage_path=work, verbose=0,
-                                      failure_config=FailureConfig(recovery="in_place"))).fit()
+                                      failure_config=FailureConfig(recovery=recovery))).fit()
 
 
 def torchft_replica(replica: int, lighthouse: str, steps: int, out: str) -> None:
@@ -183,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         import torchft  # noqa: F401
-        setups = ["plain", "unbroken", "torchft"]
+        setups = ["plain", "unbroken", "unbroken-checkpoint", "torchft"]
     except ImportError:
-        setups = ["plain", "unbroken"]
+        setups = ["plain", "unbroken", "unbroken-checkpoint"]
     times: dict[str, list[float]] = {s: [] for s in setups}
     for repeat in range(args.repeats):
         for setup in setups:
@@ -201,13 +203,20 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(times[setup])
         print(f"| {setup} | {median:.2f} ms ({min(times[setup]):.2f}–{max(times[setup]):.2f}) | "
               f"{median - plain:+.2f} ms |")
+    # Paired within each repeat (the two run one after the other), the median of the differences.
+    added = statistics.median(d - c for d, c in zip(times["unbroken"], times["unbroken-checkpoint"],
+                                                            strict=True))
+    bare = statistics.median(times["unbroken-checkpoint"])
+    print(f"\nThe default recovery (in place) against recovery=\"checkpoint\", paired by repeat: "
+          f"{added:+.3f} ms a step, {100 * added / bare:+.1f}% (target: within 3%).")
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("plain", "unbroken", "torchft"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("plain", "unbroken", "unbroken-checkpoint", "torchft"):
         setup, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
         {"plain": lambda: run_plain(steps, out), "unbroken": lambda: run_unbroken(steps, out, sys.argv[4]),
+         "unbroken-checkpoint": lambda: run_unbroken(steps, out, sys.argv[4], "checkpoint"),
          "torchft": lambda: run_torchft(steps, out)}[setup]()
     elif len(sys.argv) > 1 and sys.argv[1] == "torchft-replica":
         torchft_replica(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])
