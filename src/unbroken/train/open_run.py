@@ -61,13 +61,13 @@ def open_run(trainer: Any) -> tuple[Any, Any]:
             storage = root.child(config.name)
     path = storage.url()
     check_can_run(trainer.scaling_config)  # fails now for an engine or GPUs this machine lacks
-    saved = encode_trainer(cls, trainer._init_args)  # fails now if an argument cannot be saved
+    saved = encode_trainer(cls, trainer.init_args)  # fails now if an argument cannot be saved
     _keep_loaded_fingerprints(saved, spec.loaded_fingerprints)
 
     # The run's state now, even after restore() read it: another driver may have changed it since.
     manifest = opening.existing(
         RUN, storage, exists=restored or manifest_exists(storage), restored=restored, resume=config.resume,
-        check_identity=lambda m: check_identity(m, cls, trainer._init_args, path, config.allow_config_change))
+        check_identity=lambda m: check_identity(m, cls, trainer.init_args, path, config.allow_config_change))
     if _finished(manifest, spec.overrides, saved):
         log.info("run %s already finished; returning its stored result", path)
         return None, Result.from_path(path, config.storage_filesystem)

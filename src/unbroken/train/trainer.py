@@ -51,6 +51,12 @@ class BaseTrainer:
             self._init_args = {}  # __init__ reports the bad call itself (or unpickling fills it)
         return self
 
+    @property
+    def init_args(self) -> dict[str, Any]:
+        """The constructor's arguments by name, as the trainer was made: what the run saves,
+        what its identity is computed from, and what `restore(path, **overrides)` accepts."""
+        return self._init_args
+
     def __init__(self, *, scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
                  datasets: dict[str, Any] | None = None,
                  resume_from_checkpoint: Checkpoint | None = None) -> None:

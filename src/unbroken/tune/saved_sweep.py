@@ -66,7 +66,7 @@ def encode_tuner(tuner: Any) -> SavedTuner:
         encode_or_pickle(getattr(tuner, name), f"{name} of the Tuner", params, pickles, name)
     t = tuner.trainable
     if isinstance(t, BaseTrainer):
-        saved = encode_trainer(type(t), t._init_args)
+        saved = encode_trainer(type(t), t.init_args)
         return SavedTuner(params, pickles, {"kind": "trainer", "name": type(t).__name__, **saved.fields},
                         saved.pickles)
     record: dict[str, Any] = {"kind": "function", "name": trainable_name(t)}

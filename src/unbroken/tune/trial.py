@@ -76,7 +76,7 @@ def check_param_space_keys(trainable: Any, space: dict[str, Any]) -> None:
     if not isinstance(trainable, BaseTrainer):
         return
     cls = type(trainable)
-    valid = set(init_param_names(cls)) | set(trainable._init_args)
+    valid = set(init_param_names(cls)) | set(trainable.init_args)
     for key in space:
         if key in _RESERVED or key not in valid:
             allowed = sorted(valid - set(_RESERVED))
@@ -173,7 +173,7 @@ def build_trainer(trainable: Any, config: dict[str, Any], run_config: RunConfig)
     if not isinstance(trainable, BaseTrainer):
         return FunctionTrainer(_loop(trainable, run_config), train_loop_config=config,
                                scaling_config=trial_scaling(trainable), run_config=run_config)
-    args = dict(trainable._init_args)
+    args = dict(trainable.init_args)
     for key, value in config.items():
         args[key] = _merge(args.get(key), value)
     scaling = args.get("scaling_config")
@@ -278,7 +278,7 @@ def run_trial(payload: TrialPayload) -> str:
         # Every argument is re-specified, so nothing stored is unpickled (allow_pickle=False
         # makes sure of it, whatever the trial's run.json says), and a param_space constant
         # re-specified on Tuner.restore amends the run (logged) instead of being refused.
-        trainer = type(trainer).restore(payload.path, allow_pickle=False, **trainer._init_args)
+        trainer = type(trainer).restore(payload.path, allow_pickle=False, **trainer.init_args)
     trainer.run_spec = trainer.run_spec.replace(
         trial=TrialInfo(**payload.info), elastic_start_limit=payload.trainer.run_spec.elastic_start_limit)
     return trainer.fit().status or mf.FINISHED

@@ -275,7 +275,7 @@ class Tuner:
         """What makes a sweep this sweep (compared on auto-resume)."""
         tc, t = self.tune_config, self.trainable
         ident: dict[str, Any] = {
-            "trainable": (identity(type(t), t._init_args) if isinstance(t, BaseTrainer)
+            "trainable": (identity(type(t), t.init_args) if isinstance(t, BaseTrainer)
                           else {"kind": "function"}),
             "param_space": ss.spec(self.param_space),
             "num_samples": tc.num_samples, "metric": self.metric, "mode": self.mode,
