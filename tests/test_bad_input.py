@@ -324,6 +324,7 @@ def test_ray_tune_scheduler_module_paths_import():
     ("from unbroken.air.integrations.wandb import WandbLoggerCallback, setup_wandb",
      "from unbroken.train import WandbLoggerCallback"),
     ("from unbroken.air.integrations import wandb", "WandbLoggerCallback"),
+    ("from unbroken.tune.execution.tune_controller import TuneController", "tune.Tuner"),
 ])
 def test_ray_tune_names_without_a_counterpart_say_what_instead(statement, hint):
     from unbroken.errors import UnsupportedAPIError

@@ -95,6 +95,9 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
                                  "places the workers itself. Hint: tune.with_resources(trainable, "
                                  "{'cpu': 2, 'gpu': 1}), or a Trainer's ScalingConfig(num_workers=..., "
                                  "use_gpu=..., resources_per_worker=...)",
+        "TuneController": "the sweep driver is unbroken's own and takes no subclass or options of "
+                          "Ray's. Hint: drive a sweep with tune.Tuner(...).fit(), and resize trials "
+                          "with a Trainer's ScalingConfig(num_workers=(min, max))",
         "TuneError": "unbroken raises its own errors. Hint: catch unbroken.errors.UnbrokenError (a "
                      "failed trial is in ResultGrid.errors)",
         "SyncConfig": "trials write straight to storage_path, a local path or an fsspec URL; there is "

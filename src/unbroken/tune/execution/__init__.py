@@ -1,6 +1,6 @@
 """Ray Tune's `ray.tune.execution` package path, which holds Ray's trial executor: unbroken
-has none to offer, so its one module here, `placement_groups`, refuses at import, and a Ray
-Tune name asked of the package itself is refused with what to use instead."""
+has none to offer, so its modules here, `placement_groups` and `tune_controller`, refuse at
+import, and a Ray Tune name asked of the package itself is refused with what to use instead."""
 
 from typing import Any
 
