@@ -331,6 +331,14 @@ assert _take(again) == whole[1:]
 assert _take(again) == whole
 set_epoch(1)
 assert _take(again) == whole
+# At another number of ranks the data must still be the same, even between passes.
+from unbroken.state.stream_loader import StreamLoader
+loader, _ = make_loader("hf-shards", config, 0, 2)
+ended = StreamLoader.of(loader, 2)
+_take(loader)
+other, _ = make_loader("hf-shards", {**config, "shards": 8}, 0, 4)
+with pytest.raises(StateMismatchError, match="total_shards was 4, is 8"):
+    StreamLoader.of(other, 4).load_state_dict(ended.state_dict())
 # prepare_data_loader keeps a stream as it is: not split a second time.
 loader, _ = make_loader("hf-shards", config, 1, 2)
 whole = _take(make_loader("hf-shards", config, 1, 2)[0])

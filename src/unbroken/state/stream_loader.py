@@ -222,10 +222,12 @@ class StreamLoader:
         Refused, with nothing changed, when the data is not what the counts were taken over."""
         name = f"the loader ({type(self.loader).__name__} over {type(self.loader.dataset).__name__})"
         saved, now = state.get("data", {}) if isinstance(state, dict) else {}, self._data
-        changed = [f"{key} was {saved[key]!r}, is {now.get(key)!r}"
-                   for key in saved if saved[key] != now.get(key)]
         resized = isinstance(state, dict) and state.get("world_size") != self.position.world_size
-        if changed and not resized:  # else the carry below says why
+        # At another size a rank's share and its loader's settings may differ; the data may not.
+        compared = ("dataset", "total_shards", "length") if resized else saved
+        changed = [f"{key} was {saved[key]!r}, is {now.get(key)!r}"
+                   for key in compared if key in saved and saved[key] != now.get(key)]
+        if changed:
             raise StateMismatchError(
                 f"{name} reads other data than the run it resumes: {'; '.join(changed)}. Its saved "
                 "position does not point into this data. Hint: resume with the data the run was "
