@@ -706,6 +706,33 @@ def drain_node_of(cluster, pid: int, deadline: float | None) -> tuple[str, str]:
     return node, name
 
 
+def start_drained_run(cluster, storage: str, name: str, num_workers, pid_dir):
+    """Start run `name` of `exact_loop` on the Ray engine (just-in-time checkpoints, 0.5 s
+    steps, each rank's pid in `pid_dir`, max_failures=0) in a driver process of its own."""
+    return start_script(f"""
+from test_exact_resume import BASE, exact_loop
+from unbroken.train import FailureConfig, RunConfig, ScalingConfig
+from unbroken.train.torch import TorchTrainer
+TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, "step_s": 0.5,
+                                             "pid_dir": {str(pid_dir)!r}}},
+             scaling_config=ScalingConfig(num_workers={num_workers!r}, engine="ray"),
+             run_config=RunConfig(name={name!r}, storage_path={storage!r}, verbose=0,
+                                  failure_config=FailureConfig(max_failures=0))).fit()
+""", RAY_ADDRESS=cluster.address)
+
+
+def drain_rank_1_node(cluster, driver, pid_dir) -> tuple[int, str, str, float, threading.Timer]:
+    """Once the run has reported step 3, Ray drains rank 1's node 8 s ahead, and the node is
+    removed at that deadline: (rank 1's pid, node id, node name, deadline, the removal's timer)."""
+    read_until(driver, "STEP 3")
+    pid = int((pid_dir / "rank1-a1").read_text())
+    deadline = time.time() + 8
+    node, name = drain_node_of(cluster, pid, deadline)
+    gone = threading.Timer(deadline - time.time(), reclaim, (cluster, node))
+    gone.start()
+    return pid, node, name, deadline, gone
+
+
 def reclaim(cluster, node_id: str) -> None:
     """The cloud takes a drained node back: remove it without warning, unless Ray already ended
     it (a drained node with nothing left on it exits)."""
@@ -727,25 +754,10 @@ def test_a_drained_node_s_ranks_checkpoint_and_the_run_goes_on_without_it_bit_fo
     local = jit_run("local", storage, "drain-local")
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    driver = start_script(f"""
-from test_exact_resume import BASE, exact_loop
-from unbroken.train import FailureConfig, RunConfig, ScalingConfig
-from unbroken.train.torch import TorchTrainer
-TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, "step_s": 0.5,
-                                             "pid_dir": {str(pid_dir)!r}}},
-             scaling_config=ScalingConfig(num_workers=2, engine="ray"),
-             run_config=RunConfig(name="drained", storage_path={storage!r}, verbose=0,
-                                  failure_config=FailureConfig(max_failures=0))).fit()
-""", RAY_ADDRESS=cluster.address)
+    driver = start_drained_run(cluster, storage, "drained", 2, pid_dir)
     removed = None
     try:
-        read_until(driver, "STEP 3")
-        pid = int((pid_dir / "rank1-a1").read_text())
-        deadline = time.time() + 8
-        node, name = drain_node_of(cluster, pid, deadline)
-        gone = threading.Timer(deadline - time.time(), reclaim, (cluster, node))
-        gone.start()
-        removed = name
+        pid, node, removed, deadline, gone = drain_rank_1_node(cluster, driver, pid_dir)
         out, err = driver.communicate(timeout=240)
         gone.join()
     finally:
@@ -777,24 +789,10 @@ def test_an_elastic_run_shrinks_off_a_drained_node_at_a_checkpoint(cluster, stor
     nothing redone."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    driver = start_script(f"""
-from test_exact_resume import BASE, exact_loop
-from unbroken.train import FailureConfig, RunConfig, ScalingConfig
-from unbroken.train.torch import TorchTrainer
-TorchTrainer(exact_loop, train_loop_config={{**BASE, "jit": True, "echo": True, "step_s": 0.5,
-                                             "pid_dir": {str(pid_dir)!r}}},
-             scaling_config=ScalingConfig(num_workers=(1, 2), engine="ray"),
-             run_config=RunConfig(name="drained-elastic", storage_path={storage!r}, verbose=0,
-                                  failure_config=FailureConfig(max_failures=0))).fit()
-""", RAY_ADDRESS=cluster.address)
+    driver = start_drained_run(cluster, storage, "drained-elastic", (1, 2), pid_dir)
     name = None
     try:
-        read_until(driver, "STEP 3")
-        pid = int((pid_dir / "rank1-a1").read_text())
-        deadline = time.time() + 8
-        node, name = drain_node_of(cluster, pid, deadline)
-        gone = threading.Timer(deadline - time.time(), reclaim, (cluster, node))
-        gone.start()
+        _, node, name, deadline, gone = drain_rank_1_node(cluster, driver, pid_dir)
         _, err = driver.communicate(timeout=240)
         gone.join()
     finally:
