@@ -117,6 +117,8 @@ class RayTrialProcess:
     thread; they turn into a message on `conn` and the end of `sentinel`, which the sweep
     driver waits on with its other trials."""
 
+    reusable = False  # a trial's actor runs one trial (see trial_process)
+
     def __init__(self, payload: TrialPayload, trainer_resources: dict[str, float] | None) -> None:
         connect()
         self.conn, self._writer = mp.Pipe(duplex=False)

@@ -5,6 +5,11 @@ The sweep driver waits, without polling, on the processes' sentinels and pipes a
 signal pipe (`wait`), then takes what the ready ones sent and the ones that ended (`reap`).
 A trial sends where its driver was placed (`TrialPlaced`, handed to `on_placed` as it comes)
 and, last, its outcome (`worker.protocol`).
+
+With `TuneConfig(reuse_actors=True)` a trial's process that ends its trial cleanly waits
+for another (`trial_process`): its trial has ended, and the process is idle until the next
+trial to start takes it (`take_idle`), or the sweep lets it end (`close_idle`). A process
+gives its GPUs back (`on_gone`) only when it ends.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 from unbroken.execution.preemption import Interrupts
 from unbroken.store.sweep_manifest import TrialRecord
-from unbroken.worker.protocol import TrialOutcome, TrialPlaced
+from unbroken.worker.protocol import TrialDone, TrialOutcome, TrialPlaced
 
 log = logging.getLogger("unbroken")
 
@@ -41,9 +46,12 @@ class Running:
 class RunningTrials:
     """The trials whose processes run, by name."""
 
-    def __init__(self, on_placed: Callable[[TrialRecord, TrialPlaced], None]) -> None:
+    def __init__(self, on_placed: Callable[[TrialRecord, TrialPlaced], None],
+                 on_gone: Callable[[list[str]], None] = lambda gpus: None) -> None:
         self.on_placed = on_placed
+        self.on_gone = on_gone  # a process ended: the GPUs it was given
         self._by_name: dict[str, Running] = {}
+        self._idle: list[Running] = []  # processes waiting for another trial, with their last
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -66,16 +74,32 @@ class RunningTrials:
         for r in self.values():
             r.proc.signal(signum)
 
+    def idle(self) -> int:
+        """How many processes wait for another trial."""
+        return len(self._idle)
+
+    def take_idle(self) -> Running | None:
+        """A process waiting for another trial (the `Running` of its last one), now taken."""
+        return self._idle.pop() if self._idle else None
+
+    def close_idle(self) -> None:
+        """Let the processes waiting for another trial end."""
+        while self._idle:
+            r = self._idle.pop()
+            r.proc.close()
+            self.on_gone(r.gpus)
+
     def kill_all(self) -> None:
-        for r in self.values():
+        every = self.values() + self._idle
+        for r in every:
             r.proc.kill()
-        for r in self.values():
+        for r in every:
             r.proc.join()
 
     def wait(self, interrupts: Interrupts) -> list[Any]:
         """Block until a trial process ends, a trial sends, or a signal comes (POLL_S at most);
         returns what is ready."""
-        waits: list[Any] = [interrupts]
+        waits: list[Any] = [interrupts, *(r.proc.sentinel for r in self._idle)]
         for r in self.values():
             waits.append(r.proc.sentinel)
             if r.conn_open:
@@ -87,7 +111,12 @@ class RunningTrials:
 
     def reap(self, ready: list[Any]) -> list[Running]:
         """Read what the ready trials sent; the trials whose process ended (their last
-        messages read), dropped from the running ones."""
+        messages read), or that ended cleanly in a process that now waits for another trial,
+        dropped from the running ones."""
+        for r in [r for r in self._idle if r.proc.sentinel in ready]:  # an idle process died
+            self._idle.remove(r)
+            r.proc.join()
+            self.on_gone(r.gpus)
         ended = []
         for name, r in list(self._by_name.items()):
             if r.conn_open and (r.proc.conn in ready or r.proc.sentinel in ready):
@@ -96,8 +125,13 @@ class RunningTrials:
                 r.proc.join()
                 if r.conn_open:
                     self._read(r)
-                del self._by_name[name]
-                ended.append(r)
+                self.on_gone(r.gpus)
+            elif not (r.proc.reusable and isinstance(r.message, TrialDone)):
+                continue
+            else:
+                self._idle.append(r)
+            del self._by_name[name]
+            ended.append(r)
         return ended
 
     def _read(self, r: Running) -> None:

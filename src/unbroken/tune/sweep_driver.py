@@ -18,6 +18,11 @@ fit() raises TrainingInterruptedError once every trial process has ended. A seco
 is forwarded too, so the trials stop at once. If the sweep driver is killed, the kernel
 kills the trial processes (PDEATHSIG), and theirs kill their workers; Tuner.restore
 continues from what is on disk.
+
+With `TuneConfig(reuse_actors=True)` (trials on this machine), a trial's process that ends
+its trial cleanly is kept, idle, and the next trial to start runs in it instead of a new
+one, on the same worker processes (see `running_trials`, `trial_process`). What a trial
+records is the same either way; a kept process that dies is replaced by a new one.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class SweepDriver(PreparedSweep):
     slots: TrialSlots | None = None  # on a Ray cluster: the share of the cluster the next trial gets
     gpus: GpuSlots | None = None  # on the local engine, when trials take GPUs: which are free
     on_ray: bool = False  # trials' drivers are actors of the Ray cluster (ray_trial_process)
+    reuse: bool = False  # TuneConfig(reuse_actors=True): a trial's process runs later trials too
     relaunching: dict[str, Callable[[], bool]] = field(default_factory=dict)  # queued after a lost driver
     _done_at_start: int = 0  # trials already done when execute() began
 
@@ -107,7 +113,8 @@ class SweepDriver(PreparedSweep):
                               getattr(self.trainable, "run_config", None))
         return build_trainer(self.trainable, self._config_of(record.name), rc)
 
-    def _launch(self, record: TrialRecord, share: int | None = None) -> Running | None:
+    def _launch(self, record: TrialRecord, running: RunningTrials,
+                share: int | None = None) -> Running | None:
         try:
             trainer = self._trainer(record)
             trainer.run_spec = trainer.run_spec.replace(elastic_start_limit=share)  # a Ray cluster's share
@@ -117,16 +124,23 @@ class SweepDriver(PreparedSweep):
         url = self.storage.url(record.name)
         info = {"trial_name": record.title or record.name, "trial_id": trial_id(self.manifest, record),
                 "trial_dir": url}
-        env, gpus = engine_env(), self.gpus.take() if self.gpus is not None else None
+        idle = running.take_idle()  # a process that ran an earlier trial and waits for another
+        env, gpus = engine_env(), None
+        if self.gpus is not None:
+            gpus = idle.gpus if idle is not None else self.gpus.take()
         if gpus is not None:
             env[gpu_slots.ENV] = ",".join(gpus)
-        payload = TrialPayload(trainer, url, info, env, self.population is not None)
+        payload = TrialPayload(trainer, url, info, env, self.population is not None, reuse=self.reuse)
         if self.on_ray:
             from unbroken.tune.ray_trial_process import RayTrialProcess
 
             payload.sweep_id = self.manifest.sweep_id
             proc: Any = RayTrialProcess(payload, trainer.scaling_config.trainer_resources)
+        elif idle is not None and idle.proc.give(payload):
+            proc = idle.proc
         else:
+            if idle is not None:
+                idle.proc.join()  # it died waiting; its GPUs go to the new process
             proc = LocalTrialProcess(payload, record.name)
         record.driver = None
         record.status, record.started_at, record.ended_at, record.error = sw.RUNNING, time.time(), None, None
@@ -208,12 +222,13 @@ class SweepDriver(PreparedSweep):
 
     def execute(self) -> None:
         """Run the queued and newly proposed trials; raise TrainingInterruptedError on a signal."""
-        running = RunningTrials(self._placed)
+        running = RunningTrials(self._placed, self.gpus.give if self.gpus is not None else lambda gpus: None)
         self._t0, self._spent_before = time.monotonic(), self.manifest.running_s
         self._done_at_start = sum(1 for t in self.manifest.trials if t.status in sw.DONE)
         with Interrupts() as interrupts:
             try:
                 forwarded = self._run_trials(running, interrupts)
+                running.close_idle()
             except BaseException:
                 running.kill_all()
                 raise
@@ -246,8 +261,6 @@ class SweepDriver(PreparedSweep):
                 self._start_trials(running)
             done = not running and bool(forwarded or not self.relaunching)
             for ended in [] if done else running.reap(running.wait(interrupts)):
-                if self.gpus is not None:
-                    self.gpus.give(ended.gpus)
                 self._collect(ended, stopping=bool(forwarded))
             if self.events is not None:
                 self.events.step_end()
@@ -281,7 +294,7 @@ class SweepDriver(PreparedSweep):
             return
         self._release_paused()
         while len(running) < self.concurrency:
-            if self.gpus is not None and not self.gpus.trials:
+            if self.gpus is not None and not self.gpus.trials and not running.idle():
                 return  # again once a trial ends and gives its GPUs back
             share = self._share(running)
             if share == 0:
@@ -289,7 +302,7 @@ class SweepDriver(PreparedSweep):
             record = self._next()
             if record is None:
                 return
-            started = self._launch(record, share)
+            started = self._launch(record, running, share)
             if started is not None:
                 running.add(started)
                 self._say("%s started with %s; %s", record.name, record.config, self._progress())

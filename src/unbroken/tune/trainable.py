@@ -14,6 +14,12 @@ holds what `save_checkpoint(checkpoint_dir)` wrote and `.trainable.json`: the st
 when `save_checkpoint` returned a dict, that dict (then `load_checkpoint` gets the dict back,
 else the directory's path, as in Ray). A restore resumes at the step after the checkpoint's,
 so a trial killed at any moment ends with the rows of the uninterrupted trial, each once.
+
+With `TuneConfig(reuse_actors=True)` the object outlives its run in a kept worker process
+(`worker.process_reuse`): the next run there that resumes from a checkpoint, of this trial
+or another, gives it its config by `reset_config` and loads the checkpoint into it instead
+of building a new one. A run without a checkpoint (a new trial) always builds a new object:
+what an object holds beyond its checkpoint never passes from one trial to another.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from typing import Any
 from unbroken import train
 from unbroken.train import Checkpoint
 from unbroken.tune.result import SHOULD_CHECKPOINT
+from unbroken.worker import process_reuse
 from unbroken.worker.replies import StopTraining
 from unbroken.worker.session import current as current_session
 
 STATE_FILE = ".trainable.json"
+KEPT_KEY = "tune.Trainable"  # the object a run leaves for the next in a kept process
 
 
 class Trainable:
@@ -118,12 +126,39 @@ class ClassRunner:
         return bool(self.parameters)
 
     def __call__(self, config: dict[str, Any]) -> None:
-        trainable = self.cls(config, **self.parameters)
+        trainable = self._build(config)
+        keep = False  # for the next run in this process (`reuse_actors`), once this one ends cleanly
         try:
             self._restore(trainable)
             self._run(trainable)
+            keep = process_reuse.kept()
+        except StopTraining:  # its stop, a stopper or a scheduler ended it
+            keep = process_reuse.kept()
+            raise
         finally:
-            trainable.cleanup()
+            if keep:
+                process_reuse.keep(KEPT_KEY, trainable, trainable.cleanup)
+            else:
+                trainable.cleanup()
+
+    def _build(self, config: dict[str, Any]) -> Trainable:
+        """The trial's object: the one an earlier run left in this process (`reuse_actors`),
+        given `config` by `reset_config`, when this run resumes from a checkpoint (loaded into
+        it next, as Ray does) and it takes the config; otherwise a new one (`setup`)."""
+        left = process_reuse.take(KEPT_KEY)
+        if left is not None:
+            kept, release = left
+            # By name: a class defined in __main__ is unpickled anew for each run.
+            same = (type(kept).__module__, type(kept).__qualname__) == (self.cls.__module__,
+                                                                       self.cls.__qualname__)
+            if same and train.get_checkpoint() is not None:
+                old, kept.config = kept.config, dict(config)
+                if kept.reset_config(kept.config):
+                    kept._iteration = 0
+                    return kept
+                kept.config = old
+            release()
+        return self.cls(config, **self.parameters)
 
     def _restore(self, trainable: Trainable) -> None:
         checkpoint = train.get_checkpoint()

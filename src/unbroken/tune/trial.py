@@ -30,6 +30,7 @@ from unbroken.core.config import FailureConfig, RunConfig, ScalingConfig
 from unbroken.core.processes import Carried, die_with_parent
 from unbroken.core.run_spec import TrialInfo
 from unbroken.errors import StorageNotSharedError, TrainingInterruptedError, UnbrokenError
+from unbroken.execution.engine import kept_group
 from unbroken.store import manifest as mf
 from unbroken.store import sweep_manifest as sw
 from unbroken.store.lease import live_holder
@@ -205,6 +206,7 @@ class TrialPayload:
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # set in the trial's process
     continue_finished: bool = False  # population-based training: a paused (FINISHED) run goes on
     sweep_id: str | None = None  # on another machine: the sweep it must see (check_sees_sweep)
+    reuse: bool = False  # TuneConfig(reuse_actors=True): the process runs the next trial it is given
 
 
 def check_sees_sweep(payload: TrialPayload) -> None:
@@ -298,14 +300,32 @@ def trial_outcome(payload: TrialPayload) -> TrialOutcome:
 
 
 def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
-    """The body of a trial's process."""
+    """The body of a trial's process: one trial; with `reuse`, after each trial that ends
+    cleanly (TrialDone), the next one the sweep driver sends on `conn`, until it closes
+    `conn`, each on the worker processes of the trial before (`kept_group`)."""
     _set_up_process(parent_pid)
-    os.environ.update(carried.obj.env)
-    outcome = trial_outcome(carried.obj)
-    try:
-        conn.send(outcome)
-        conn.close()
-    except OSError:
-        pass
+    payload: TrialPayload | None = carried.obj
+    kept_group.keep_groups(payload.reuse)
+    while payload is not None:
+        os.environ.update(payload.env)
+        outcome = trial_outcome(payload)
+        try:
+            conn.send(outcome)
+        except OSError:
+            break
+        payload = _next_trial(conn) if payload.reuse and isinstance(outcome, TrialDone) else None
+    kept_group.release()
+    conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _next_trial(conn: Any) -> TrialPayload | None:
+    """The next trial for a process that runs one after another; None when the sweep driver
+    says there is none (it sends None: copies of its end of `conn` live on in the processes
+    forked after this one, so its closing it is not seen here) or is gone."""
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        return None
+    return message.obj if message is not None else None

@@ -11,6 +11,9 @@ alike:
 - `died()`: why it ended without an outcome, in words; `lost()`: how its machine was lost,
   when that is why it ended (the sweep then runs the trial again, from its last checkpoint,
   once `relaunch_ready()` says so).
+- `reusable`: with `TuneConfig(reuse_actors=True)` (local trials only), the process waits for
+  another trial after each one it ends cleanly: `give(payload)` hands it the next one, and
+  `close()` lets it end (see `trial.trial_main`).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ class LocalTrialProcess:
 
     def __init__(self, payload: TrialPayload, name: str) -> None:
         self.method = "fork" if start_method() == "fork" else "spawn"
+        self.reusable = payload.reuse
         ctx = mp.get_context(self.method)
-        self.conn, writer = ctx.Pipe(duplex=False)
+        self.conn, writer = ctx.Pipe(duplex=payload.reuse)
         self.proc = ctx.Process(target=trial_main, name=f"unbroken-trial-{name}",
                                 args=(Carried(payload), writer, os.getpid()))
         # Blocked around the fork: a signal meant for the sweep cannot hit the new process
@@ -65,6 +69,23 @@ class LocalTrialProcess:
 
     def kill(self) -> None:
         self.proc.kill()
+
+    def give(self, payload: TrialPayload) -> bool:
+        """Hand a process waiting for its next trial that trial; False when it is gone."""
+        try:
+            self.conn.send(Carried(payload))
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Let a process waiting for its next trial end, and wait until it has."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass  # it is gone already
+        self.conn.close()
+        self.proc.join()
 
     def join(self) -> None:
         self.proc.join()

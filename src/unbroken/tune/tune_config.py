@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import datetime
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-
-log = logging.getLogger("unbroken")
 
 
 @dataclass
@@ -30,8 +27,13 @@ class TuneConfig:
     - `trial_name_creator`, `trial_dirname_creator`: functions of a `tune.Callback`'s
       `Trial` view (id and config) that name a new trial (what `get_trial_name()` returns in
       it) and its directory under the sweep (see `unbroken.tune.trial_naming`).
-    - `reuse_actors`: accepted for Ray's scripts; trials never reuse a process (a trial paused
-      by population-based training starts a new one), and True logs a warning.
+    - `reuse_actors`: True: a trial's process (its driver and its worker processes) that ends
+      its trial cleanly runs the next trial to start (a paused trial going on, or another
+      one) instead of a new process, with what it imported and set up. A class trainable's
+      object goes on too: `reset_config(new_config)` when the trial resumes from a
+      checkpoint (then `load_checkpoint`), a new object otherwise or when it returns False.
+      Trials on this machine only (each trial's actor on a Ray cluster runs one trial).
+      None or False (the default, unlike Ray's for function trainables): new processes.
     - `seed`: the seed of random search (and of Optuna's default sampler). None: a random
       seed is drawn when the sweep starts and stored with it, so a restored sweep proposes
       what the uninterrupted one would have.
@@ -50,9 +52,9 @@ class TuneConfig:
     reuse_actors: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.reuse_actors:
-            log.warning("TuneConfig(reuse_actors=True): trials never reuse a process here; a trial "
-                        "paused by population-based training starts a new one (same results, slower)")
+        if self.reuse_actors is not None and not isinstance(self.reuse_actors, bool):
+            raise ValueError(f"TuneConfig.reuse_actors must be None, True or False, got "
+                             f"{self.reuse_actors!r}")
         if isinstance(self.time_budget_s, datetime.timedelta):
             self.time_budget_s = self.time_budget_s.total_seconds()
         budget = self.time_budget_s

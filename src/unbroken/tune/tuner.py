@@ -191,6 +191,7 @@ class Tuner:
             manifest.num_samples, manifest.total_trials = tc.num_samples, total
             manifest.max_concurrent_trials = tc.max_concurrent_trials
             slots = self._trial_slots()
+            on_ray = resolve_engine(trial_scaling(self.trainable)) == "ray"
             driver = SweepDriver(
                 storage=storage, manifest=manifest, previous=previous, lease=lease, trainable=self.trainable,
                 space=self.param_space, run_config=rc, searcher=self._searcher, scheduler=self._scheduler,
@@ -198,7 +199,7 @@ class Tuner:
                 total=total, verbose=rc.verbose, slots=slots, gpus=gpus, time_budget_s=tc.time_budget_s,
                 naming=TrialNaming(tc.trial_name_creator, tc.trial_dirname_creator,
                                    trainable_name(self.trainable)),
-                on_ray=resolve_engine(trial_scaling(self.trainable)) == "ray")
+                on_ray=on_ray, reuse=bool(tc.reuse_actors) and not on_ray)
             driver.save()  # the sweep exists from here on
             driver.prepare(self._flags)
             return driver

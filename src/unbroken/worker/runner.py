@@ -3,7 +3,8 @@ how it ended.
 
 `serve(payload, channel)` is all an engine runs in a rank: one attempt (`run_worker`), and
 the next ones when the run recovers in place (`rejoin_in_loop` for a loop that goes on
-without leaving the training function); it never ignores signals,
+without leaving the training function); an engine that keeps the process for another run
+serves each one `next_run` brings (`process_reuse`). It never ignores signals,
 ties its life to a parent or exits the process (a long-lived worker of another engine must
 outlive it). Those process-level concerns belong to the engine's own wrapper, e.g.
 `engine.local.worker_process`.
@@ -234,6 +235,16 @@ def _kept(session: Session, stay: Stay) -> dict[str, Any] | None:
     """What this rank keeps to send every rank of the next attempt: the state of the last
     report on the source rank, nothing on the others."""
     return peer_state.keep(session) if stay.source == session.info.world_rank else None
+
+
+def next_run(channel: Channel) -> WorkerPayload | None:
+    """In a process its engine keeps for another run (`process_reuse`): the next run's
+    payload, sent as a `Rejoin` once this rank's run ended cleanly; None once the driver
+    closes the link (the process then ends)."""
+    try:
+        return _next_attempt(channel)
+    except (OSError, EOFError):
+        return None
 
 
 def _next_attempt(channel: Channel) -> WorkerPayload:

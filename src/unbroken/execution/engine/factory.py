@@ -87,7 +87,9 @@ def make_worker_group(scaling: ScalingConfig, warm=None):
         from unbroken.execution.engine.ray import RayWorkerGroup
 
         return RayWorkerGroup(scaling, warm)
+    from unbroken.execution.engine import kept_group
     from unbroken.execution.engine.local import LocalWorkerGroup
 
-    return LocalWorkerGroup(scaling.num_workers, scaling.cpus_per_worker(), warm is not None)
+    kept = kept_group.take(scaling.num_workers, scaling.cpus_per_worker())
+    return kept or LocalWorkerGroup(scaling.num_workers, scaling.cpus_per_worker(), warm is not None)
 

@@ -27,12 +27,13 @@ import cloudpickle
 
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.errors import WorkerDied
+from unbroken.execution.engine import kept_group
 from unbroken.execution.engine.base import Event, Placement, Wakeup
-from unbroken.worker import preemption, stacks
+from unbroken.worker import preemption, process_reuse, stacks
 from unbroken.worker.channel import PipeChannel
 from unbroken.worker.protocol import Done, from_wire, to_wire
 from unbroken.worker.recovery.messages import Rejoin
-from unbroken.worker.runner import WorkerPayload, serve
+from unbroken.worker.runner import WorkerPayload, next_run, serve
 
 # Python threads that survive a fork harmlessly: fsspec's event-loop thread for async
 # filesystems (s3fs, gcsfs) and that loop's executor threads (DNS lookups) are idle between
@@ -125,10 +126,16 @@ def _died(rank: int, exitcode: int | None) -> WorkerDied:
     return WorkerDied(rank, exit_code=exitcode)
 
 
-def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
+def worker_process(payload: Carried, conn: Any, parent_pid: int | None, kept: bool = False,
+                   drivers_end: Any = None) -> None:
     """A local worker process: the process-level part around the engine-neutral `serve`.
     It ignores terminal signals (the driver coordinates), dies with its parent, and exits
-    without running the driver's atexit handlers it inherited through fork."""
+    without running the driver's atexit handlers it inherited through fork. `kept`: after a
+    run that ends cleanly it waits for the next one (`kept_group`). `drivers_end`: the
+    driver's end of the pipe, inherited through fork and closed here at once, so that the
+    driver's closing it is seen here."""
+    if drivers_end is not None:
+        drivers_end.close()
     ignore_terminal_signals()
     preemption.arm(notify_on_sigterm=True)  # a SIGTERM to this process is a notice for the driver
     die_with_parent(parent_pid)
@@ -137,7 +144,13 @@ def worker_process(payload: Carried, conn: Any, parent_pid: int | None) -> None:
     # outlives a SIGKILLed rank, and keeps its children alive with it.
     mp.set_start_method(None, force=True)
     stacks.arm()
-    outcome = serve(payload.obj, PipeChannel(conn))
+    channel = PipeChannel(conn)
+    if kept:
+        process_reuse.mark_kept()
+    outcome = serve(payload.obj, channel)
+    while kept and isinstance(outcome, Done) and (following := next_run(channel)) is not None:
+        outcome = serve(following, channel)
+    process_reuse.release_all()
     stacks.forget(os.getpid())
     sys.stdout.flush()
     sys.stderr.flush()
@@ -160,6 +173,9 @@ class LocalWorkerGroup:
         self._pending: dict[int, select.poll] = {}  # by pipe fd: whether a message waits in it
 
     def start(self, payload: Callable[[Placement], WorkerPayload]) -> list[Placement]:
+        if self.procs:  # kept from the run before (`kept_group`): each rank takes this run
+            self._watch_all()
+            return self.rejoin(payload, set())
         host = socket.gethostname()
         n = self.num_workers
         self.placements = [Placement(rank=r, node_rank=0, local_rank=r, local_world_size=n, node_id=host,
@@ -178,7 +194,8 @@ class LocalWorkerGroup:
         parent = os.getpid() if method == "fork" else None
         parent_end, child_end = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=worker_process, name=f"unbroken-worker-{placement.rank}",
-                           args=(Carried(payload, ignore_terminal_signals), child_end, parent))
+                           args=(Carried(payload, ignore_terminal_signals), child_end, parent,
+                                 kept_group.keeping(), parent_end if method == "fork" else None))
         proc.start()
         child_end.close()
         self.procs[placement.rank], self.conns[placement.rank] = proc, parent_end
@@ -289,6 +306,15 @@ class LocalWorkerGroup:
         pass  # this machine's processes reserve nothing; the warm forkserver stays
 
     def shutdown(self, kill: bool = False, keep_warm: bool = False) -> None:
+        if not kill and kept_group.park(self):
+            return  # its ranks wait for the next run of this process
+        self.close(kill)
+
+    def close(self, kill: bool = False) -> None:
+        """End the ranks' processes (killed with `kill`): their links are closed first, so a
+        rank waiting for another run (`kept_group`) exits at once."""
+        for conn in self.conns:
+            conn.close()
         for proc in self.procs:
             if kill and proc.is_alive():
                 proc.kill()
@@ -297,9 +323,18 @@ class LocalWorkerGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for conn in self.conns:
-            conn.close()
         for proc in self.procs:
             stacks.forget(proc.pid)  # a killed rank could not remove its own
         self._selector.close()
         self.procs, self.conns = [], []
+
+    def all_alive(self) -> bool:
+        return bool(self.procs) and all(proc.is_alive() for proc in self.procs)
+
+    def _watch_all(self) -> None:
+        """Watch every rank's pipe and death again (a kept group's were let go as its run ended)."""
+        self._selector.close()
+        self._selector, self._wake = selectors.DefaultSelector(), None
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
+            self._selector.register(conn, selectors.EVENT_READ, ("message", rank))
+            self._selector.register(proc.sentinel, selectors.EVENT_READ, ("exit", rank))
