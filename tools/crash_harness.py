@@ -71,10 +71,12 @@ Invariants checked at every launch and at the end of each trial:
     that validation process), and retention never deleted one still pending.
 
 With --sweep, the harness of sweeps runs instead (tools/sweep_harness.py: a population-based
-training sweep's driver killed at random moments and at `before_trial_record`).
+training sweep's driver killed at random moments and at `before_trial_record`; with --reuse,
+also processes kept for the next trial killed while idle).
 
 Usage:  python tools/crash_harness.py --trials 200 [--seed N] [--json] [--s3] [--ray] [--async]
-        [--jit] [--in-place] [--data] [--preempt] [--elastic] [--sweep] [--strike] [--max-kills N]
+        [--jit] [--in-place] [--data] [--preempt] [--elastic] [--sweep [--reuse]] [--strike]
+        [--max-kills N]
 (Local runs live on a tmpfs mounted for the harness when that is allowed, e.g. as root.)
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
@@ -1212,6 +1214,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --sweep: a synchronous HyperBand sweep instead of PBT")
     parser.add_argument("--class", dest="class_", action="store_true",
                         help="with --sweep: class trainables with checkpoint_at_end instead of PBT")
+    parser.add_argument("--reuse", action="store_true",
+                        help="with --sweep: launches with reuse_actors=True at random, idle processes killed")
     parser.add_argument("--elastic", action="store_true",
                         help="an elastic run, num_workers=(2, 3), on a local 3-node Ray cluster that "
                              "loses nodes for good and gets them back among the faults")
@@ -1222,6 +1226,7 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_harness.main(["--trials", str(args.trials), *(["--json"] if args.json else []),
                                    *(["--hyperband"] if args.hyperband else []),
                                    *(["--class"] if args.class_ else []),
+                                   *(["--reuse"] if args.reuse else []),
                                    *(["--seed", str(args.seed)] if args.seed is not None else [])])
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     ASYNC_SAVES[0] = args.async_saves

@@ -19,6 +19,9 @@ The sweep is then run again by the same script (auto-resume by name) until it pr
 result. With --hyperband, the sweep is a synchronous HyperBand one instead (9 trials in one
 bracket, judged at iterations 1 and 3, the best running to 9; no stop of their own): a kill
 between a trial's pause and its record, or between rungs, must not change who goes on.
+With --reuse, a launch runs with `reuse_actors=True` at random (the uninterrupted sweep
+does not), and may kill, once, a trial's process or a worker process kept idle for the next
+trial (`trial_process_waits`, `kept_worker_waits`): that launch must end the sweep.
 With --class, 4 class trainables (`tune.Trainable`) stopped by a score, with
 `checkpoint_at_end=True` and a checkpoint every 3 steps; a launch may also SIGKILL a trial's
 rank at `before_attach_staged` (its checkpoint-at-end files staged, the driver not told),
@@ -35,6 +38,7 @@ Invariants checked at the end of each trial:
   - sweep.json says FINISHED, every trial TERMINATED.
 
 Usage:  python tools/sweep_harness.py --trials 10 [--seed N] [--json] [--hyperband | --class]
+                                       [--reuse]
 Exit status 0 when no invariant was violated, 1 otherwise.
 """
 
@@ -81,6 +85,9 @@ class AtEndTrainable(tune.Trainable):
     def load_checkpoint(self, checkpoint):
         self.w = checkpoint["w"]
 
+    def reset_config(self, new_config):
+        return True  # load_checkpoint sets w: a reused object goes on as a new one would
+
 
 from unbroken.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
@@ -104,7 +111,7 @@ else:  # class trainables stopped by a score, each with its checkpoint_at_end; a
     failures = FailureConfig(max_failures=1)
 grid = tune.Tuner(pbt_loop if sys.argv[3] != "class" else AtEndTrainable, param_space=space,
                   tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=scheduler, seed=3,
-                                              max_concurrent_trials=2),
+                                              max_concurrent_trials=2, reuse_actors=sys.argv[4] == "1"),
                   run_config=RunConfig(name=sys.argv[2], storage_path=sys.argv[1], verbose=0, stop=stop,
                                        failure_config=failures, checkpoint_config=checkpoints)).fit()
 print("DONE", [(r.config["lr"], round(r.metrics["score"], 9), r.metrics["step"],
@@ -163,18 +170,19 @@ def _rows(path: str, trial: str) -> list[dict[str, Any]]:
 
 
 class SweepHarness:
-    def __init__(self, seed: int, workdir: str, scheduler: str = "pbt") -> None:
+    def __init__(self, seed: int, workdir: str, scheduler: str = "pbt", reuse: bool = False) -> None:
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.scheduler = scheduler  # "pbt", "hyperband" or "class"
+        self.reuse = reuse  # launches run with reuse_actors=True at random
         self.iterations: dict[str, list[int]] = {}  # each trial's kept iterations, uninterrupted
         self.counts: Counter[str] = Counter()
         self.violations: list[str] = []
         self.done = ""
         self.lineages: dict[str, list] = {}
 
-    def _command(self, name: str) -> list[str]:
-        return [sys.executable, "-u", "-c", DRIVER, self.workdir, name, self.scheduler]
+    def _command(self, name: str, reuse: bool = False) -> list[str]:
+        return [sys.executable, "-u", "-c", DRIVER, self.workdir, name, self.scheduler, "1" if reuse else "0"]
 
     def reference(self) -> None:
         out = subprocess.run(self._command("reference"), env=_env(), capture_output=True, text=True,
@@ -192,7 +200,9 @@ class SweepHarness:
         name, where = f"sweep{index}", f"trial {index}"
         path = os.path.join(self.workdir, name)
         for launch in range(MAX_LAUNCHES):
-            if self.scheduler == "class" and self.rng.random() < 0.3:
+            if self.reuse and self.rng.random() < 0.3:
+                out, code, how = self._kill_idle(name, launch)
+            elif self.scheduler == "class" and self.rng.random() < 0.3:
                 log = os.path.join(self.workdir, f"{name}-{launch}.faults")
                 proc = subprocess.run(self._command(name), timeout=600, capture_output=True, text=True,
                                       env=_env("before_attach_staged:1:kill::once", log))
@@ -202,8 +212,9 @@ class SweepHarness:
                 out, code, how = self._kill_inside_a_commit(name, launch, self.rng.randint(1, 2))
             elif self.rng.random() < 0.5:
                 fault = f"before_trial_record:{self.rng.randint(1, len(self.iterations))}:kill"
-                proc = subprocess.run(self._command(name), env=_env(fault), capture_output=True, text=True,
-                                      timeout=600)
+                reuse = self.reuse and self.rng.random() < 0.5
+                proc = subprocess.run(self._command(name, reuse), env=_env(fault), capture_output=True,
+                                      text=True, timeout=600)
                 out, code, how = proc.stdout, proc.returncode, "fault"
             else:
                 out, code, how = self._kill_after_reports(name, self.rng.randint(1, 10))
@@ -220,8 +231,23 @@ class SweepHarness:
             self.counts[f"kills ({how})"] += 1
         self.violations.append(f"{where}: no end after {MAX_LAUNCHES} launches")
 
+    def _kill_idle(self, name: str, launch: int) -> tuple[str, int, str]:
+        """A launch with reuse_actors=True in which, once, a trial's process or a worker
+        process kept for the next trial is SIGKILLed while it waits: the sweep goes on."""
+        log = os.path.join(self.workdir, f"{name}-{launch}.idle")
+        point = self.rng.choice(["trial_process_waits", "kept_worker_waits"])
+        fault = f"{point}:{self.rng.randint(1, 2)}:kill::once"
+        proc = subprocess.run(self._command(name, reuse=True), env=_env(fault, log), capture_output=True,
+                              text=True, timeout=600)
+        self.counts[f"idle {point.split('_')[0]} processes killed"] += os.path.exists(log)
+        if _done(proc.stdout) is None:
+            self.violations.append(f"{name}: a launch whose {point} fault struck did not end the sweep "
+                                   f"(exit {proc.returncode}): {proc.stderr[-2000:]}")
+        return proc.stdout, proc.returncode, "idle process"
+
     def _kill_after_reports(self, name: str, target: int) -> tuple[str, int, str]:
-        proc = subprocess.Popen(self._command(name), env=_env(), stdout=subprocess.PIPE,
+        reuse = self.reuse and self.rng.random() < 0.5
+        proc = subprocess.Popen(self._command(name, reuse), env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True)
         lines, seen = [], 0
         assert proc.stdout is not None
@@ -239,7 +265,8 @@ class SweepHarness:
         """Freeze the first trial process to reach its `n`-th `before_rename`, then SIGKILL
         the sweep driver (its trials die with it). A sweep that ends first printed DONE."""
         log = os.path.join(self.workdir, f"{name}-{launch}.commit")
-        proc = subprocess.Popen(self._command(name), env=_env(f"before_rename:{n}:stop", log),
+        reuse = self.reuse and self.rng.random() < 0.5
+        proc = subprocess.Popen(self._command(name, reuse), env=_env(f"before_rename:{n}:stop", log),
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         deadline = time.monotonic() + 300
         while proc.poll() is None and not os.path.exists(log) and time.monotonic() < deadline:
@@ -291,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="a synchronous HyperBand sweep instead of population-based training")
     parser.add_argument("--class", dest="class_", action="store_true",
                         help="class trainables with checkpoint_at_end instead of population-based training")
+    parser.add_argument("--reuse", action="store_true",
+                        help="launches with reuse_actors=True at random, idle processes killed")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="unbroken-sweep-crash-") as workdir:
         mode = "hyperband" if args.hyperband else "class" if args.class_ else "pbt"
-        harness = SweepHarness(seed, workdir, mode)
+        harness = SweepHarness(seed, workdir, mode, args.reuse)
         harness.reference()
         for i in range(args.trials):
             harness.trial(i)

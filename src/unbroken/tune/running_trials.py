@@ -24,7 +24,7 @@ from typing import Any
 
 from unbroken.execution.preemption import Interrupts
 from unbroken.store.sweep_manifest import TrialRecord
-from unbroken.worker.protocol import TrialDone, TrialOutcome, TrialPlaced
+from unbroken.worker.protocol import TrialDone, TrialOutcome, TrialPlaced, TrialTaken
 
 log = logging.getLogger("unbroken")
 
@@ -41,6 +41,7 @@ class Running:
     conn_open: bool = True
     share: int = 0  # on a Ray cluster: the workers it may start with (counted until it is sized)
     gpus: list[str] = field(default_factory=list)  # on the local engine: the GPUs it was given
+    taken: bool = True  # False until a kept process given the trial says it took it (TrialTaken)
 
 
 class RunningTrials:
@@ -140,6 +141,8 @@ class RunningTrials:
                 message = r.proc.conn.recv()
                 if isinstance(message, TrialPlaced):
                     self.on_placed(r.record, message)
+                elif isinstance(message, TrialTaken):
+                    r.taken = True
                 else:
                     r.message = message
         except (EOFError, OSError):

@@ -124,7 +124,7 @@ class SweepDriver(PreparedSweep):
         url = self.storage.url(record.name)
         info = {"trial_name": record.title or record.name, "trial_id": trial_id(self.manifest, record),
                 "trial_dir": url}
-        idle = running.take_idle()  # a process that ran an earlier trial and waits for another
+        idle, reused = running.take_idle(), False  # a process that ran an earlier trial and waits
         env, gpus = engine_env(), None
         if self.gpus is not None:
             gpus = idle.gpus if idle is not None else self.gpus.take()
@@ -137,7 +137,7 @@ class SweepDriver(PreparedSweep):
             payload.sweep_id = self.manifest.sweep_id
             proc: Any = RayTrialProcess(payload, trainer.scaling_config.trainer_resources)
         elif idle is not None and idle.proc.give(payload):
-            proc = idle.proc
+            proc, reused = idle.proc, True
         else:
             if idle is not None:
                 idle.proc.join()  # it died waiting; its GPUs go to the new process
@@ -147,7 +147,7 @@ class SweepDriver(PreparedSweep):
         self.save()
         if self.events is not None:
             self.events.started(record)
-        return Running(record, proc, share=share or 0, gpus=gpus or [])
+        return Running(record, proc, share=share or 0, gpus=gpus or [], taken=not reused)
 
     def _ended(self, record: TrialRecord, status: str, error: str | None = None) -> None:
         # Crash tests: the trial's run has recorded its end, the sweep manifest not yet.
@@ -203,6 +203,10 @@ class SweepDriver(PreparedSweep):
                 self._ended(record, sw.ERROR, outcome.summary)
         elif stopping:
             self._ended(record, sw.INTERRUPTED)
+        elif not running.taken:  # a kept process died before it took the trial: nothing began
+            record.status = sw.PENDING
+            self.queue.insert(0, record.name)
+            self.save()
         elif record.relaunches < MAX_RELAUNCHES and (lost := running.proc.lost()):
             self._relaunch(record, lost, running.proc.relaunch_ready())
         else:

@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.core import faults
 from unbroken.core.codec import init_param_names
 from unbroken.core.config import FailureConfig, RunConfig, ScalingConfig
 from unbroken.core.processes import Carried, die_with_parent
@@ -40,7 +41,7 @@ from unbroken.train.trainer import BaseTrainer, DataParallelTrainer
 from unbroken.tune.callback import split
 from unbroken.tune.function_trainable import FunctionTrainable
 from unbroken.tune.trainable import ClassRunner, is_trainable_class
-from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome
+from unbroken.worker.protocol import TrialDone, TrialFailed, TrialInterrupted, TrialOutcome, TrialTaken
 
 log = logging.getLogger("unbroken")
 
@@ -301,8 +302,8 @@ def trial_outcome(payload: TrialPayload) -> TrialOutcome:
 
 def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
     """The body of a trial's process: one trial; with `reuse`, after each trial that ends
-    cleanly (TrialDone), the next one the sweep driver sends on `conn`, until it closes
-    `conn`, each on the worker processes of the trial before (`kept_group`)."""
+    cleanly (TrialDone), the next one the sweep driver sends on `conn`, until it sends None,
+    each on the worker processes of the trial before (`kept_group`)."""
     _set_up_process(parent_pid)
     payload: TrialPayload | None = carried.obj
     kept_group.keep_groups(payload.reuse)
@@ -313,7 +314,10 @@ def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
             conn.send(outcome)
         except OSError:
             break
-        payload = _next_trial(conn) if payload.reuse and isinstance(outcome, TrialDone) else None
+        if not (payload.reuse and isinstance(outcome, TrialDone)):
+            break
+        faults.point("trial_process_waits")  # crash tests: a kept trial process dies idle
+        payload = _next_trial(conn)
     kept_group.release()
     conn.close()
     sys.stdout.flush()
@@ -321,11 +325,15 @@ def trial_main(carried: Carried, conn: Any, parent_pid: int | None) -> None:
 
 
 def _next_trial(conn: Any) -> TrialPayload | None:
-    """The next trial for a process that runs one after another; None when the sweep driver
-    says there is none (it sends None: copies of its end of `conn` live on in the processes
-    forked after this one, so its closing it is not seen here) or is gone."""
+    """The next trial for a process that runs one after another, said taken (`TrialTaken`)
+    before it begins; None when the sweep driver says there is none (it sends None: copies
+    of its end of `conn` live on in processes forked after this one, so its closing it is
+    not seen here) or is gone."""
     try:
         message = conn.recv()
+        if message is None:
+            return None
+        conn.send(TrialTaken())
     except (EOFError, OSError):
         return None
-    return message.obj if message is not None else None
+    return message.obj

@@ -71,7 +71,11 @@ class LocalTrialProcess:
         self.proc.kill()
 
     def give(self, payload: TrialPayload) -> bool:
-        """Hand a process waiting for its next trial that trial; False when it is gone."""
+        """Hand a process waiting for its next trial that trial; False when it is gone. (Its
+        end of the pipe lives on in its workers for a moment after it dies, so a send alone
+        could succeed.)"""
+        if not self.proc.is_alive():
+            return False
         try:
             self.conn.send(Carried(payload))
         except OSError:

@@ -170,6 +170,12 @@ class TrialPlaced:
 
 
 @dataclass(slots=True)
+class TrialTaken:
+    """A trial's process kept from an earlier trial (`reuse_actors`) took the trial it was
+    given, and begins it now (before its outcome)."""
+
+
+@dataclass(slots=True)
 class TrialDone:
     """A trial's run ended with this run status (FINISHED, or ERRORED within the run)."""
 

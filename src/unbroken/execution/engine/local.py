@@ -25,6 +25,7 @@ from typing import Any
 
 import cloudpickle
 
+from unbroken.core import faults
 from unbroken.core.processes import Carried, die_with_parent, ignore_terminal_signals
 from unbroken.errors import WorkerDied
 from unbroken.execution.engine import kept_group
@@ -148,7 +149,11 @@ def worker_process(payload: Carried, conn: Any, parent_pid: int | None, kept: bo
     if kept:
         process_reuse.mark_kept()
     outcome = serve(payload.obj, channel)
-    while kept and isinstance(outcome, Done) and (following := next_run(channel)) is not None:
+    while kept and isinstance(outcome, Done):
+        faults.point("kept_worker_waits")  # crash tests: a kept rank dies waiting for the next run
+        following = next_run(channel)
+        if following is None:
+            break
         outcome = serve(following, channel)
     process_reuse.release_all()
     stacks.forget(os.getpid())
