@@ -274,3 +274,49 @@ class Recorder(tune.Callback):
 
     def on_experiment_end(self, trials, **info) -> None:
         self._note("end", sorted(t.status for t in trials))
+
+
+REUSE_LOG_ENV = "TUNE_TEST_REUSE_LOG"
+
+
+def _note(what: str, config: dict) -> None:
+    """Append "<what> <pid> <lr>" to $TUNE_TEST_REUSE_LOG, when set: the reuse tests count
+    processes and calls."""
+    log = os.environ.get(REUSE_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{what} {os.getpid()} {config.get('lr')}\n")
+
+
+def noted_pbt_loop(config: dict) -> None:
+    """`pbt_loop`, noting each run ("run") with the process it runs in."""
+    _note("run", config)
+    pbt_loop(config)
+
+
+class Resettable(tune.Trainable):
+    """`pbt_loop` as a class trainable (a weight that grows by lr each step), noting setup,
+    reset_config, load_checkpoint and cleanup with their process; reset_config takes the new
+    config unless the config says `resets: False`."""
+
+    def setup(self, config: dict) -> None:
+        self.w = 0.0
+        _note("setup", config)
+
+    def step(self) -> dict:
+        self.w = round(self.w + self.config["lr"], 6)
+        return {"score": self.w, "lr": self.config["lr"], "step": self.iteration + 1}
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict:
+        return {"w": self.w}
+
+    def load_checkpoint(self, checkpoint: dict) -> None:
+        self.w = checkpoint["w"]
+        _note("load", self.config)
+
+    def reset_config(self, new_config: dict) -> bool:
+        _note("reset", new_config)
+        return new_config.get("resets", True)
+
+    def cleanup(self) -> None:
+        _note("cleanup", self.config)

@@ -172,6 +172,13 @@ def test_a_pbt_sweep_killed_at_random_moments_ends_as_if_it_never_stopped():
     check(run_harness(4, "--sweep"), 4, commit_kills=0, restores=2)
 
 
+def test_a_pbt_sweep_with_reused_processes_killed_at_random_moments_ends_as_if_it_never_stopped():
+    # Launches run with reuse_actors=True at random (the uninterrupted sweep does not), among
+    # the same kills; some kill, once, a trial's process or a worker kept idle for the next
+    # trial, and must end the sweep all the same.
+    check(run_harness(4, "--sweep", "--reuse", "--seed", "11"), 4, commit_kills=0, restores=1)
+
+
 def test_a_hyperband_sweep_killed_at_random_moments_ends_as_if_it_never_stopped():
     # Synchronous HyperBand: kills between a trial's pause and its record, or between rungs,
     # must not change which trials go on, or let one run past where it was stopped.
@@ -188,3 +195,8 @@ def test_class_trials_killed_around_their_checkpoint_at_end_end_with_it():
 @pytest.mark.slow
 def test_a_pbt_sweep_killed_at_random_moments_soak():
     check(run_harness(60, "--sweep"), 60, commit_kills=0)
+
+
+@pytest.mark.slow
+def test_a_pbt_sweep_with_reused_processes_killed_at_random_moments_soak():
+    check(run_harness(40, "--sweep", "--reuse"), 40, commit_kills=0)
