@@ -1,6 +1,9 @@
 """One population-based-training sweep for bench_pbt.py, by unbroken or by Ray Tune:
 
-    python benchmarks/_pbt_job.py <unbroken|ray> <fifo|pbt> <storage> <name> <work dir> [restore]
+    python benchmarks/_pbt_job.py <unbroken|unbroken-reuse|ray> <fifo|pbt> <storage> <name> <work dir>
+                                  [restore]
+
+(`unbroken-reuse`: unbroken with `TuneConfig(reuse_actors=True)`.)
 
 The trainable is the same for both: a small linear model trained with SGD, checkpointed at
 every report; each iteration it runs appends one line (trial, step, seconds of compute) to
@@ -73,7 +76,8 @@ def space(lib, framework: str, work: str) -> dict:
     return {"lr": lib.grid_search(LRS), "framework": framework, "work": work}
 
 
-def run_unbroken(kind: str, storage: str, name: str, work: str, restore: bool) -> list:
+def run_unbroken(kind: str, storage: str, name: str, work: str, restore: bool,
+                 reuse: bool = False) -> list:
     from unbroken import tune
     from unbroken.train import RunConfig
     from unbroken.tune.schedulers import PopulationBasedTraining
@@ -82,7 +86,7 @@ def run_unbroken(kind: str, storage: str, name: str, work: str, restore: bool) -
     if kind == "pbt":
         scheduler = PopulationBasedTraining(**PBT)
     config = tune.TuneConfig(metric="score", mode="max", scheduler=scheduler, seed=0,
-                             max_concurrent_trials=CONCURRENT)
+                             max_concurrent_trials=CONCURRENT, reuse_actors=reuse)
     if restore:
         grid = tune.Tuner.restore(os.path.join(storage, name), trainable).fit()
     else:
@@ -116,8 +120,11 @@ def run_ray(kind: str, storage: str, name: str, work: str, restore: bool) -> lis
 def main(argv: list[str]) -> None:
     framework, kind, storage, name, work = argv[:5]
     restore = len(argv) > 5 and argv[5] == "restore"
-    run = run_ray if framework == "ray" else run_unbroken
-    print("RESULT " + json.dumps(run(kind, storage, name, work, restore)), flush=True)
+    if framework == "ray":
+        result = run_ray(kind, storage, name, work, restore)
+    else:
+        result = run_unbroken(kind, storage, name, work, restore, reuse=framework == "unbroken-reuse")
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Population-based training: unbroken against Ray Tune, on the same trainable.
 
-    python benchmarks/bench_pbt.py [--frameworks unbroken,ray] [--modes synch,async]
+    python benchmarks/bench_pbt.py [--frameworks unbroken,unbroken-reuse,ray] [--modes synch,async]
                                    [--repeats 1] [--kill-at 0.5]
 
 The sweep (`_pbt_job.py`): 8 trials of a small linear model, 12 iterations of 40 SGD steps
 each, a checkpoint at every report, 2 trials at a time, PBT every 3 iterations
-(quantile 0.25, lr mutated from a list). For each framework it runs:
+(quantile 0.25, lr mutated from a list). `unbroken-reuse` is unbroken with
+`TuneConfig(reuse_actors=True)`; Ray Tune runs with its default (`reuse_actors=False`).
+For each framework it runs:
 
 1. the same sweep without a scheduler (FIFO): wall time, and the overhead per trial (the
    wall time times the concurrency, less the compute the trainable measured, per trial);
@@ -191,7 +193,7 @@ def _killed(runs: list[dict], fmt) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frameworks", default="unbroken,ray")
+    parser.add_argument("--frameworks", default="unbroken,unbroken-reuse,ray")
     parser.add_argument("--modes", default="synch,async")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kill-at", type=float, default=0.5)

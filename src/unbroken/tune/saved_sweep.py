@@ -313,6 +313,8 @@ def amend_tune_config(saved: TuneConfig, given: TuneConfig, manifest: sw.SweepMa
     out = dataclasses.replace(saved, num_samples=given.num_samples)
     if given.max_concurrent_trials is not None:
         out.max_concurrent_trials = given.max_concurrent_trials
+    if given.reuse_actors is not None:
+        out.reuse_actors = given.reuse_actors  # how trials run, not what they record
     if given.seed is not None and given.seed != manifest.seed:
         raise SweepMismatchError(f"the sweep at {path!r} was seeded with {manifest.seed}; got "
                                  f"seed={given.seed}. Hint: leave TuneConfig.seed unset when restoring")

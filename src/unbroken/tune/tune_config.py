@@ -33,7 +33,7 @@ class TuneConfig:
       object goes on too: `reset_config(new_config)` when the trial resumes from a
       checkpoint (then `load_checkpoint`), a new object otherwise or when it returns False.
       Trials on this machine only (each trial's actor on a Ray cluster runs one trial).
-      None or False (the default, unlike Ray's for function trainables): new processes.
+      None or False (the default, as in Ray): each trial's run starts new processes.
     - `seed`: the seed of random search (and of Optuna's default sampler). None: a random
       seed is drawn when the sweep starts and stored with it, so a restored sweep proposes
       what the uninterrupted one would have.

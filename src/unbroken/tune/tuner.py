@@ -310,8 +310,8 @@ class Tuner:
         - `param_space` may re-specify values (new objects, datasets) but not its keys or
           search domains;
         - `tune_config=TuneConfig(num_samples=larger)` extends the sweep on purpose;
-          its `max_concurrent_trials` replaces the saved one; its other settings must be
-          None or equal to the saved ones;
+          its `max_concurrent_trials` and `reuse_actors` replace the saved ones; its other
+          settings must be None or equal to the saved ones;
         - `run_config` replaces the saved RunConfig (name and storage_path still come from `path`);
         - `allow_pickle=False` unpickles nothing stored with the sweep (unpickling can run code):
           where something would have to be unpickled, PickleRefusedError names what to
