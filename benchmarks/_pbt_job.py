@@ -1,9 +1,9 @@
 """One population-based-training sweep for bench_pbt.py, by unbroken or by Ray Tune:
 
-    python benchmarks/_pbt_job.py <unbroken|unbroken-reuse|ray> <fifo|pbt> <storage> <name> <work dir>
-                                  [restore]
+    python benchmarks/_pbt_job.py <unbroken|unbroken-reuse|ray|ray-reuse> <fifo|pbt> <storage> <name>
+                                  <work dir> [restore]
 
-(`unbroken-reuse`: unbroken with `TuneConfig(reuse_actors=True)`.)
+(`-reuse`: with `TuneConfig(reuse_actors=True)`.)
 
 The trainable is the same for both: a small linear model trained with SGD, checkpointed at
 every report; each iteration it runs appends one line (trial, step, seconds of compute) to
@@ -95,7 +95,7 @@ def run_unbroken(kind: str, storage: str, name: str, work: str, restore: bool,
     return [(r.config["lr"], r.metrics["score"]) for r in grid]
 
 
-def run_ray(kind: str, storage: str, name: str, work: str, restore: bool) -> list:
+def run_ray(kind: str, storage: str, name: str, work: str, restore: bool, reuse: bool = False) -> list:
     import ray
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler, PopulationBasedTraining
@@ -110,7 +110,7 @@ def run_ray(kind: str, storage: str, name: str, work: str, restore: bool) -> lis
     else:
         tuner = tune.Tuner(fn, param_space=space(tune, "ray", work),
                            tune_config=tune.TuneConfig(metric="score", mode="max", scheduler=scheduler,
-                                                       max_concurrent_trials=CONCURRENT),
+                                                       max_concurrent_trials=CONCURRENT, reuse_actors=reuse),
                            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0))
     grid = tuner.fit()
     results = sorted(grid, key=lambda r: r.path)
@@ -120,8 +120,8 @@ def run_ray(kind: str, storage: str, name: str, work: str, restore: bool) -> lis
 def main(argv: list[str]) -> None:
     framework, kind, storage, name, work = argv[:5]
     restore = len(argv) > 5 and argv[5] == "restore"
-    if framework == "ray":
-        result = run_ray(kind, storage, name, work, restore)
+    if framework.startswith("ray"):
+        result = run_ray(kind, storage, name, work, restore, reuse=framework == "ray-reuse")
     else:
         result = run_unbroken(kind, storage, name, work, restore, reuse=framework == "unbroken-reuse")
     print("RESULT " + json.dumps(result), flush=True)

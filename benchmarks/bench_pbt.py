@@ -1,12 +1,13 @@
 """Population-based training: unbroken against Ray Tune, on the same trainable.
 
-    python benchmarks/bench_pbt.py [--frameworks unbroken,unbroken-reuse,ray] [--modes synch,async]
+    python benchmarks/bench_pbt.py [--frameworks unbroken,unbroken-reuse,ray,ray-reuse]
+                                   [--modes synch,async]
                                    [--repeats 1] [--kill-at 0.5]
 
 The sweep (`_pbt_job.py`): 8 trials of a small linear model, 12 iterations of 40 SGD steps
 each, a checkpoint at every report, 2 trials at a time, PBT every 3 iterations
-(quantile 0.25, lr mutated from a list). `unbroken-reuse` is unbroken with
-`TuneConfig(reuse_actors=True)`; Ray Tune runs with its default (`reuse_actors=False`).
+(quantile 0.25, lr mutated from a list). `unbroken-reuse` and `ray-reuse` run with
+`TuneConfig(reuse_actors=True)`; the others with the default (False in both).
 For each framework it runs:
 
 1. the same sweep without a scheduler (FIFO): wall time, and the overhead per trial (the
@@ -60,7 +61,7 @@ def _executed(work: str) -> list[str]:
 
 
 def _stop_ray(framework: str) -> None:
-    if framework == "ray":
+    if framework.startswith("ray"):
         subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
                        capture_output=True, check=False)
 
@@ -118,7 +119,7 @@ def run_killed(framework: str, mode: str, root: str, name: str, kill_after: int)
 
 def exploits(framework: str, path: str) -> int:
     """How many exploits the sweep made: unbroken's lineage records, Ray's pbt_global.txt."""
-    if framework == "ray":
+    if framework.startswith("ray"):
         log = os.path.join(path, "pbt_global.txt")
         return sum(1 for _ in open(log)) if os.path.exists(log) else 0
     count = 0
@@ -193,7 +194,7 @@ def _killed(runs: list[dict], fmt) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frameworks", default="unbroken,unbroken-reuse,ray")
+    parser.add_argument("--frameworks", default="unbroken,unbroken-reuse,ray,ray-reuse")
     parser.add_argument("--modes", default="synch,async")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kill-at", type=float, default=0.5)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render(results, modes, args))
         return 0
     for fw in args.frameworks.split(","):
-        if fw == "ray":
+        if fw.startswith("ray"):
             try:
                 import ray.tune  # noqa: F401
             except ImportError:
