@@ -59,7 +59,8 @@ def records(path: str) -> dict[str, tuple]:
 
 def runs(path: str) -> int:
     """How many runs (fit() calls) the sweep's trials made in all."""
-    return sum(len(json.load(open(os.path.join(path, t, ".unbroken", "run.json")))["attempts"]) for t in TRIALS)
+    manifests = (os.path.join(path, t, ".unbroken", "run.json") for t in TRIALS)
+    return sum(len(json.load(open(m))["attempts"]) for m in manifests)
 
 
 @pytest.mark.parametrize("kind", ["function", "class", "class-no-reset"])
