@@ -52,7 +52,7 @@ class RunningTrials:
         self.on_placed = on_placed
         self.on_gone = on_gone  # a process ended: the GPUs it was given
         self._by_name: dict[str, Running] = {}
-        self._idle: list[Running] = []  # processes waiting for another trial, with their last
+        self._idle: list[Running] = []  # processes waiting for another trial (their last trial's Running)
 
     def __len__(self) -> int:
         return len(self._by_name)

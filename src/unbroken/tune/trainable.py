@@ -146,18 +146,23 @@ class ClassRunner:
         given `config` by `reset_config`, when this run resumes from a checkpoint (loaded into
         it next, as Ray does) and it takes the config; otherwise a new one (`setup`)."""
         left = process_reuse.take(KEPT_KEY)
-        if left is not None:
-            kept, release = left
-            # By name: a class defined in __main__ is unpickled anew for each run.
-            same = (type(kept).__module__, type(kept).__qualname__) == (self.cls.__module__,
-                                                                       self.cls.__qualname__)
+        if left is None:
+            return self.cls(config, **self.parameters)
+        kept, release = left
+        # By name: a class defined in __main__ is unpickled anew for each run.
+        name = (self.cls.__module__, self.cls.__qualname__)
+        same = (type(kept).__module__, type(kept).__qualname__) == name
+        try:
             if same and train.get_checkpoint() is not None:
                 old, kept.config = kept.config, dict(config)
                 if kept.reset_config(kept.config):
                     kept._iteration = 0
                     return kept
                 kept.config = old
-            release()
+        except BaseException:
+            release()  # reset_config raised: the run fails, and the object is cleaned up
+            raise
+        release()
         return self.cls(config, **self.parameters)
 
     def _restore(self, trainable: Trainable) -> None:
