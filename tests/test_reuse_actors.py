@@ -143,3 +143,13 @@ def test_a_trainer_s_worker_group_runs_the_next_trial_in_the_same_processes(tmp_
 def test_reuse_actors_must_be_a_bool():
     with pytest.raises(ValueError, match="reuse_actors must be None, True or False"):
         TuneConfig(reuse_actors="yes")
+
+
+def test_a_restore_may_switch_reuse_and_otherwise_keeps_the_saved_setting():
+    from unbroken.store.sweep_manifest import SweepManifest
+    from unbroken.tune.saved_sweep import amend_tune_config
+
+    manifest = SweepManifest(name="s", seed=3)
+    saved = TuneConfig(seed=3, reuse_actors=True)
+    assert amend_tune_config(saved, TuneConfig(), manifest, "s").reuse_actors is True
+    assert amend_tune_config(saved, TuneConfig(reuse_actors=False), manifest, "s").reuse_actors is False
